@@ -1,0 +1,51 @@
+"""The synchronous autoregressive generate loop: the reference path every faster path must equal."""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import torch
+
+from pdflash.model import Qwen3MoeModel
+from pdflash.sampling import SamplingParams, sample
+from pdflash.stopping import StopRule
+
+
+@attrs.frozen(kw_only=True)
+class GenerationResult:
+    token_ids: tuple[int, ...]  # generated ids (prompt excluded)
+    finish_reason: str  # "stop" | "length"
+    acceptance_lengths: tuple[int, ...] = ()  # tokens committed per verify round (empty for AR)
+    stats: dict = attrs.field(factory=dict)
+
+
+def generate_autoregressive(model: Qwen3MoeModel, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+    rule = StopRule.for_request(len(prompt_ids), params, model.config.max_positions, model.config.eos_token_ids)
+    generator = params.generator(model.device)
+    cache = model.new_cache()
+    started = time.perf_counter()
+    step = torch.tensor(prompt_ids, dtype=torch.int64)
+    emitted: list[int] = []
+    finish = None
+    first_token_at = None
+    while finish is None:
+        logits = model.forward([step], [cache], last_logits_only=True).logits  # [1, V]
+        token = int(sample(logits, params, generator)[0])
+        first_token_at = first_token_at or time.perf_counter()
+        kept, finish = rule.clip(len(emitted), [token])
+        emitted += kept
+        step = torch.tensor(kept, dtype=torch.int64)
+    elapsed = time.perf_counter() - started
+    decode_seconds = time.perf_counter() - first_token_at
+    return GenerationResult(
+        token_ids=tuple(emitted),
+        finish_reason=finish,
+        stats={
+            "prompt_tokens": len(prompt_ids),
+            "generated_tokens": len(emitted),
+            "seconds": elapsed,
+            "time_to_first_token_seconds": first_token_at - started,
+            "tokens_per_second": (len(emitted) - 1) / decode_seconds if len(emitted) > 1 else 0.0,
+        },
+    )

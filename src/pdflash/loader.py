@@ -1,0 +1,112 @@
+"""Builds a `Qwen3MoeModel` from a local Hugging Face directory (config, weights, tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import torch
+from tqdm import tqdm
+
+from pdflash.checkpoint import Checkpoint, expert_byte_map, expert_shapes, expert_tensor_name
+from pdflash.config import ModelConfig
+from pdflash.experts import ExpertProvider, ResidentExperts
+from pdflash.model import AttentionWeights, LayerWeights, Qwen3MoeModel
+from pdflash.tokenizer import TextTokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@attrs.frozen(kw_only=True)
+class LoadedTarget:
+    model: Qwen3MoeModel
+    tokenizer: TextTokenizer | None  # None when the directory has no tokenizer.json
+    checkpoint: Checkpoint
+    expert_nbytes: dict[tuple[int, int], int]  # (layer, expert) -> payload bytes as stored
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """float32 on the CPU by default, bfloat16 on an accelerator that supports it."""
+    if name is None:
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_target(
+    directory: Path | str,
+    *,
+    dtype: str | None = None,
+    device: str | torch.device = "cpu",
+    experts: ExpertProvider | None = None,
+    progress: bool = False,
+) -> LoadedTarget:
+    """Load config, non-expert weights and (unless `experts` is given) all experts, resident."""
+    directory = Path(directory)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    config = ModelConfig.from_file(directory / "config.json")
+    checkpoint = Checkpoint(directory)
+    tokenizer = TextTokenizer(directory, config.vocab_size) if (directory / "tokenizer.json").is_file() else None
+
+    def load(name: str, *shape: int) -> torch.Tensor:
+        return checkpoint.load(name, shape, torch_dtype).to(device)
+
+    cfg = config
+    H, D = cfg.hidden_size, cfg.head_dim
+    layers, stacks = [], {}
+    for i in tqdm(range(cfg.num_layers), desc="loading target", disable=not progress):
+        p = f"model.layers.{i}."
+        bias = (lambda name, n: load(p + f"self_attn.{name}.bias", n)) if cfg.attention_bias else (lambda *_: None)
+        attention = AttentionWeights(
+            q_proj=load(p + "self_attn.q_proj.weight", cfg.num_heads * D, H),
+            k_proj=load(p + "self_attn.k_proj.weight", cfg.num_kv_heads * D, H),
+            v_proj=load(p + "self_attn.v_proj.weight", cfg.num_kv_heads * D, H),
+            o_proj=load(p + "self_attn.o_proj.weight", H, cfg.num_heads * D),
+            q_norm=load(p + "self_attn.q_norm.weight", D),
+            k_norm=load(p + "self_attn.k_norm.weight", D),
+            q_bias=bias("q_proj", cfg.num_heads * D),
+            k_bias=bias("k_proj", cfg.num_kv_heads * D),
+            v_bias=bias("v_proj", cfg.num_kv_heads * D),
+            o_bias=bias("o_proj", H),
+        )
+        router = dense = None
+        if cfg.moe_layers[i]:
+            router = load(p + "mlp.gate.weight", cfg.num_experts, H)
+            if experts is None:
+                stacks[i] = tuple(
+                    torch.stack([load(expert_tensor_name(i, e, proj), *shape) for e in range(cfg.num_experts)])
+                    for proj, shape in expert_shapes(cfg).items()
+                )
+        else:
+            inter = cfg.dense_intermediate_size
+            dense = (
+                load(p + "mlp.gate_proj.weight", inter, H),
+                load(p + "mlp.up_proj.weight", inter, H),
+                load(p + "mlp.down_proj.weight", H, inter),
+            )
+        layers.append(
+            LayerWeights(
+                input_norm=load(p + "input_layernorm.weight", H),
+                post_attention_norm=load(p + "post_attention_layernorm.weight", H),
+                attention=attention,
+                router=router,
+                dense=dense,
+            )
+        )
+    embed = load("model.embed_tokens.weight", cfg.vocab_size, H)
+    lm_head = embed if cfg.tie_word_embeddings else load("lm_head.weight", cfg.vocab_size, H)
+    model = Qwen3MoeModel(
+        config,
+        embed=embed,
+        layers=layers,
+        final_norm=load("model.norm.weight", H),
+        lm_head=lm_head,
+        experts=experts if experts is not None else ResidentExperts(stacks),
+    )
+    return LoadedTarget(
+        model=model, tokenizer=tokenizer, checkpoint=checkpoint, expert_nbytes=expert_byte_map(checkpoint, config)
+    )

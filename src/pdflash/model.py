@@ -1,0 +1,186 @@
+"""The Qwen3-MoE target in plain torch: one forward over a ragged batch of sequences.
+
+Owns the model math (embeddings, RMSNorm, GQA attention with q/k norm and RoPE, MoE and
+dense MLP blocks, LM head). Expert weights come through an `ExpertProvider`; expert
+compute goes through the `kernels` dispatcher. Sequence bookkeeping (what to feed, when to
+crop) belongs to callers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+import kernels
+from pdflash.config import ModelConfig
+from pdflash.experts import ExpertProvider
+from pdflash.kv_cache import KVCache
+from pdflash.rope import Rotary, apply_rotary
+
+
+@attrs.frozen(kw_only=True)
+class AttentionWeights:
+    q_proj: torch.Tensor  # [heads*D, H]
+    k_proj: torch.Tensor  # [kv_heads*D, H]
+    v_proj: torch.Tensor  # [kv_heads*D, H]
+    o_proj: torch.Tensor  # [H, heads*D]
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@attrs.frozen(kw_only=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    post_attention_norm: torch.Tensor  # [H]
+    attention: AttentionWeights
+    router: torch.Tensor | None  # [E, H] for MoE layers
+    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (gate [I,H], up [I,H], down [H,I])
+
+
+@attrs.frozen(kw_only=True)
+class BatchOutput:
+    seq_lens: tuple[int, ...]  # new tokens per sequence, in batch order
+    logits: torch.Tensor  # [R, V] float32: every token (R = T) or each sequence's last (R = N)
+    taps: torch.Tensor | None  # [T, n_taps*H] residual stream after each requested layer
+    routed: torch.Tensor  # [T, L_moe, K] int64 expert ids routed per token and MoE layer
+
+    def split(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-sequence views of a [T, ...] tensor."""
+        return tensor.split(list(self.seq_lens))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+class Qwen3MoeModel:
+    """Inference-only Qwen3-MoE. Weights are plain tensors; experts come from `experts`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        experts: ExpertProvider,
+    ) -> None:
+        self.config = config
+        self.embed = embed  # [V, H]
+        self.layers = layers
+        self.final_norm = final_norm  # [H]
+        self.lm_head = lm_head  # [V, H]
+        self.experts = experts
+        self.rotary = Rotary(config.rope, config.head_dim)
+        self.moe_index = {layer: i for i, layer in enumerate(config.moe_layer_ids)}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def new_cache(self) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: Sequence[torch.Tensor],
+        caches: Sequence[KVCache],
+        *,
+        last_logits_only: bool = False,
+        taps: Sequence[int] = (),
+        skip_experts: bool = False,
+        commit: bool = True,
+    ) -> BatchOutput:
+        """Run new tokens of N sequences (each [n_i] int64, positions after its cache) in one pass.
+
+        `skip_experts` computes routing but not expert outputs (a router-only pass);
+        `commit=False` leaves each cache's length unchanged (the K/V written past it are scratch).
+        """
+        cfg = self.config
+        seq_lens = tuple(int(t.numel()) for t in token_ids)
+        for cache, n in zip(caches, seq_lens, strict=True):
+            cache.reserve(cache.length + n)
+        ids = torch.cat(list(token_ids)).to(self.device)  # [T]
+        positions = torch.cat(
+            [torch.arange(c.length, c.length + n, device=self.device) for c, n in zip(caches, seq_lens)]
+        )  # [T]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, D] each
+        x = F.embedding(ids, self.embed)  # [T, H]
+        tap_set = {layer: i for i, layer in enumerate(taps)}
+        tapped: list[torch.Tensor | None] = [None] * len(taps)
+        routed = torch.empty((x.shape[0], len(self.moe_index), cfg.top_k), dtype=torch.int64, device=self.device)
+        for layer, weights in enumerate(self.layers):
+            h = rms_norm(x, weights.input_norm, cfg.rms_norm_eps)
+            x = x + self._attention(layer, weights.attention, h, cos, sin, caches, seq_lens)
+            h = rms_norm(x, weights.post_attention_norm, cfg.rms_norm_eps)
+            if weights.router is not None:
+                mlp_out, routed[:, self.moe_index[layer]] = self._moe(layer, weights.router, h, skip_experts)
+            else:
+                mlp_out = swiglu(h, *weights.dense)
+            x = x + mlp_out
+            if layer in tap_set:
+                tapped[tap_set[layer]] = x
+        if commit:
+            for cache, n in zip(caches, seq_lens):
+                cache.advance(n)
+        if last_logits_only:
+            x = x[torch.tensor(seq_lens, device=self.device).cumsum(0) - 1]  # [N, H]
+        logits = F.linear(rms_norm(x, self.final_norm, cfg.rms_norm_eps), self.lm_head).float()
+        return BatchOutput(
+            seq_lens=seq_lens,
+            logits=logits,
+            taps=torch.cat(tapped, dim=-1) if taps else None,  # type: ignore[arg-type]
+            routed=routed,
+        )
+
+    def _attention(self, layer, w: AttentionWeights, h, cos, sin, caches, seq_lens) -> torch.Tensor:
+        cfg = self.config
+        T, D = h.shape[0], cfg.head_dim
+        q = F.linear(h, w.q_proj, w.q_bias).view(T, cfg.num_heads, D)
+        k = F.linear(h, w.k_proj, w.k_bias).view(T, cfg.num_kv_heads, D)
+        v = F.linear(h, w.v_proj, w.v_bias).view(T, cfg.num_kv_heads, D)
+        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [heads, T, D]
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps).transpose(0, 1)  # [kv_heads, T, D]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        v = v.transpose(0, 1)  # [kv_heads, T, D]
+        outputs, start = [], 0
+        for cache, n in zip(caches, seq_lens):
+            past = cache.length
+            keys, values = cache.write(layer, k[:, start : start + n], v[:, start : start + n])  # [kv, past+n, D]
+            causal = torch.ones((n, past + n), dtype=torch.bool, device=h.device).tril(diagonal=past)
+            out = F.scaled_dot_product_attention(
+                q[:, start : start + n], keys, values, attn_mask=causal, enable_gqa=True
+            )  # [heads, n, D]
+            outputs.append(out)
+            start += n
+        attn = torch.cat(outputs, dim=1).transpose(0, 1).reshape(T, cfg.num_heads * D)  # [T, heads*D]
+        return F.linear(attn, w.o_proj, w.o_bias)
+
+    def _moe(self, layer: int, router: torch.Tensor, h: torch.Tensor, skip_experts: bool):
+        cfg = self.config
+        routing = kernels.route(F.linear(h, router), cfg.top_k, cfg.norm_topk_prob)  # router logits [T, E]
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)  # [T, H]
+        if not skip_experts:
+            for wave in self.experts.waves(layer, routing.union_ids().tolist()):
+                kernels.grouped_swiglu(h, routing, wave.gate, wave.up, wave.down, wave.slot_of_expert, out)
+        return out.to(h.dtype), routing.topk_ids

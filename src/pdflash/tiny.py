@@ -1,0 +1,116 @@
+"""Writes small random Qwen3-MoE checkpoints (HF layout, byte-level tokenizer) for tests and first runs.
+
+Random weights generate noise, not text: these checkpoints exercise the engine's real
+paths; the trained pair is what shows real acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 260 + len(SPECIAL_TOKENS),
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "float32",
+}
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """256 byte tokens (GPT-2 byte-to-unicode alphabet), no merges, plus the special tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer
+
+
+def random_target_tensors(config: dict[str, Any], generator: torch.Generator, std: float) -> dict[str, torch.Tensor]:
+    H, D = config["hidden_size"], config["head_dim"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * std
+
+    tensors = {"model.embed_tokens.weight": randn(config["vocab_size"], H), "model.norm.weight": torch.ones(H)}
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = randn(config["vocab_size"], H)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(H),
+            p + "post_attention_layernorm.weight": torch.ones(H),
+            p + "self_attn.q_proj.weight": randn(heads * D, H),
+            p + "self_attn.k_proj.weight": randn(kv * D, H),
+            p + "self_attn.v_proj.weight": randn(kv * D, H),
+            p + "self_attn.o_proj.weight": randn(H, heads * D),
+            p + "self_attn.q_norm.weight": torch.ones(D),
+            p + "self_attn.k_norm.weight": torch.ones(D),
+        }
+        sparse = i not in config["mlp_only_layers"] and (i + 1) % config["decoder_sparse_step"] == 0
+        if sparse:
+            inter = config["moe_intermediate_size"]
+            tensors[p + "mlp.gate.weight"] = randn(config["num_experts"], H)
+            for e in range(config["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                tensors |= {
+                    q + "gate_proj.weight": randn(inter, H),
+                    q + "up_proj.weight": randn(inter, H),
+                    q + "down_proj.weight": randn(H, inter),
+                }
+        else:
+            inter = config["intermediate_size"]
+            tensors |= {
+                p + "mlp.gate_proj.weight": randn(inter, H),
+                p + "mlp.up_proj.weight": randn(inter, H),
+                p + "mlp.down_proj.weight": randn(H, inter),
+            }
+    return tensors
+
+
+def write_tiny_target(directory: Path | str, *, seed: int = 0, std: float = 0.08, **overrides: Any) -> Path:
+    """A random Qwen3-MoE checkpoint with a byte-level tokenizer and a chat template."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = TINY_CONFIG | overrides
+    tokenizer = byte_level_tokenizer()
+    config["eos_token_id"] = tokenizer.token_to_id("<|endoftext|>")
+    generator = torch.Generator().manual_seed(seed)
+    save_file(random_target_tensors(config, generator, std), str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"}, indent=2)
+    )
+    return directory

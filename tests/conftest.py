@@ -1,0 +1,21 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hf_fixtures import HF_CONFIGS, write_hf_checkpoint  # noqa: E402
+from pdflash.tiny import write_tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=sorted(HF_CONFIGS))
+def hf_checkpoint(request, tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    return write_tiny_target(tmp_path_factory.mktemp("tiny"), seed=0)
