@@ -110,7 +110,7 @@ class ModelConfig:
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             moe_layers=moe_layers,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(raw, source),
+            rope=rope_config(raw, source),
             max_positions=int(need("max_position_embeddings")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
@@ -118,7 +118,7 @@ class ModelConfig:
         )
 
 
-def _rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
+def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
     """Reads both layouts: `rope_theta` + `rope_scaling` (hub checkpoints) and `rope_parameters` (transformers 5)."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))

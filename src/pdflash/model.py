@@ -125,8 +125,7 @@ class Qwen3MoeModel:
         )  # [T]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, D] each
         x = F.embedding(ids, self.embed)  # [T, H]
-        tap_set = {layer: i for i, layer in enumerate(taps)}
-        tapped: list[torch.Tensor | None] = [None] * len(taps)
+        tapped: dict[int, torch.Tensor] = {}
         routed = torch.empty((x.shape[0], len(self.moe_index), cfg.top_k), dtype=torch.int64, device=self.device)
         for layer, weights in enumerate(self.layers):
             h = rms_norm(x, weights.input_norm, cfg.rms_norm_eps)
@@ -137,8 +136,8 @@ class Qwen3MoeModel:
             else:
                 mlp_out = swiglu(h, *weights.dense)
             x = x + mlp_out
-            if layer in tap_set:
-                tapped[tap_set[layer]] = x
+            if layer in taps:
+                tapped[layer] = x
         if commit:
             for cache, n in zip(caches, seq_lens):
                 cache.advance(n)
@@ -148,7 +147,7 @@ class Qwen3MoeModel:
         return BatchOutput(
             seq_lens=seq_lens,
             logits=logits,
-            taps=torch.cat(tapped, dim=-1) if taps else None,  # type: ignore[arg-type]
+            taps=torch.cat([tapped[layer] for layer in taps], dim=-1) if taps else None,
             routed=routed,
         )
 

@@ -114,3 +114,77 @@ def write_tiny_target(directory: Path | str, *, seed: int = 0, std: float = 0.08
         json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"}, indent=2)
     )
     return directory
+
+
+def drafter_config(target_config: dict[str, Any], *, num_layers: int, block_size: int, mask_token_id: int,
+                   **overrides: Any) -> dict[str, Any]:
+    """A DFlash drafter config.json (Qwen3 config plus the DFlash fields) paired with `target_config`."""
+    heads = target_config["num_attention_heads"]
+    return {
+        "model_type": "qwen3",
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": target_config["hidden_size"],
+        "intermediate_size": target_config.get("intermediate_size", 4 * target_config["hidden_size"]),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": target_config.get("num_key_value_heads", heads),
+        "head_dim": target_config.get("head_dim", target_config["hidden_size"] // heads),
+        "vocab_size": target_config["vocab_size"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": target_config["max_position_embeddings"],
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "block_size": block_size,
+        "num_target_layers": target_config["num_hidden_layers"],
+        "dflash_config": {"mask_token_id": mask_token_id},
+    } | overrides
+
+
+def random_drafter_tensors(config: dict[str, Any], num_taps: int, generator: torch.Generator,
+                           std: float) -> dict[str, torch.Tensor]:
+    H, D, inter = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * std
+
+    tensors = {"fc.weight": randn(H, num_taps * H), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(H),
+            p + "post_attention_layernorm.weight": torch.ones(H),
+            p + "self_attn.q_proj.weight": randn(heads * D, H),
+            p + "self_attn.k_proj.weight": randn(kv * D, H),
+            p + "self_attn.v_proj.weight": randn(kv * D, H),
+            p + "self_attn.o_proj.weight": randn(H, heads * D),
+            p + "self_attn.q_norm.weight": torch.ones(D),
+            p + "self_attn.k_norm.weight": torch.ones(D),
+            p + "mlp.gate_proj.weight": randn(inter, H),
+            p + "mlp.up_proj.weight": randn(inter, H),
+            p + "mlp.down_proj.weight": randn(H, inter),
+        }
+    return tensors
+
+
+def write_tiny_drafter(directory: Path | str, target_directory: Path | str, *, num_layers: int = 2,
+                       block_size: int = 8, seed: int = 1, std: float = 0.08, **overrides: Any) -> Path:
+    """A random drafter in the published DFlash layout, paired with the target at `target_directory`."""
+    from pdflash.drafter import default_tap_layers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target_config = json.loads((Path(target_directory) / "config.json").read_text())
+    mask_id = target_config["vocab_size"] - 1
+    tok_path = Path(target_directory) / "tokenizer.json"
+    if tok_path.is_file():
+        mask_id = Tokenizer.from_file(str(tok_path)).token_to_id("<|mask|>") or mask_id
+    config = drafter_config(target_config, num_layers=num_layers, block_size=block_size, mask_token_id=mask_id,
+                            **overrides)
+    taps = config["dflash_config"].get("target_layer_ids") or default_tap_layers(
+        target_config["num_hidden_layers"], num_layers)
+    generator = torch.Generator().manual_seed(seed)
+    save_file(random_drafter_tensors(config, len(taps), generator, std), str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory

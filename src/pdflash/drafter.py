@@ -1,0 +1,274 @@
+"""The DFlash block-diffusion drafter: config, checkpoint loading, pairing checks, batched forward.
+
+Owns the drafter's math as DFLASH.md specifies it (context injected as extra keys/values in
+every layer, non-causal block attention, one forward per round). It borrows the target's
+embedding table and LM head and never touches the target's caches.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from pdflash.checkpoint import Checkpoint
+from pdflash.config import ModelConfig, RopeConfig, rope_config
+from pdflash.errors import CheckpointError
+from pdflash.kv_cache import KVCache
+from pdflash.model import rms_norm, swiglu
+from pdflash.rope import Rotary, apply_rotary
+
+
+def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Taps spread evenly over the target when the checkpoint does not name them."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@attrs.frozen(kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    attention_bias: bool
+    block_size: int  # tokens per drafted block, anchor included
+    mask_token_id: int
+    num_target_layers: int
+    tap_layers: tuple[int, ...]  # target layers whose residual stream feeds `fc`
+    sliding_window: tuple[int | None, ...]  # per layer: window size, None = full attention
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    logit_softcap: float | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str) -> "DrafterConfig":
+        dflash = raw.get("dflash_config") or {}
+
+        def field(name: str, default: Any = None) -> Any:
+            value = dflash.get(name, raw.get(name, default))
+            if value is None:
+                raise CheckpointError(f"{source}: missing drafter field {name!r}")
+            return value
+
+        num_layers = int(field("num_hidden_layers"))
+        num_target = int(field("num_target_layers"))
+        taps = dflash.get("target_layer_ids") or default_tap_layers(num_target, num_layers)
+        layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+        window = raw.get("sliding_window")
+        num_heads = int(field("num_attention_heads"))
+        softcap = dflash.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
+        return cls(
+            hidden_size=int(field("hidden_size")),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or int(field("hidden_size")) // num_heads),
+            intermediate_size=int(field("intermediate_size")),
+            vocab_size=int(field("vocab_size")),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=rope_config(raw, source),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            block_size=int(field("block_size", 16)),
+            mask_token_id=int(field("mask_token_id")),
+            num_target_layers=num_target,
+            tap_layers=tuple(int(t) for t in taps),
+            sliding_window=tuple(int(window) if t == "sliding_attention" else None for t in layer_types),
+            input_embedding_scale=float(field("input_embedding_scale", 1.0)),
+            output_multiplier=float(field("output_multiplier", 1.0)),
+            logit_softcap=float(softcap) if softcap else None,
+        )
+
+    def check_pairing(self, target: ModelConfig, fc_in_features: int, source: str) -> None:
+        """Clear errors for a drafter that cannot work with this target."""
+        problems = []
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}")
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} is not below the target vocab_size {target.vocab_size}")
+        if self.block_size < 2:
+            problems.append(f"block_size {self.block_size} must be >= 2")
+        bad_taps = [t for t in self.tap_layers if not 0 <= t < target.num_layers]
+        if bad_taps:
+            problems.append(f"target_layer_ids {bad_taps} are not below the target's {target.num_layers} layers")
+        expected_fc = len(self.tap_layers) * target.hidden_size
+        if fc_in_features != expected_fc:
+            problems.append(
+                f"fc.in_features {fc_in_features} != {len(self.tap_layers)} taps x hidden_size {target.hidden_size}"
+            )
+        if problems:
+            raise CheckpointError(f"{source}: drafter does not fit the target: " + "; ".join(problems))
+
+
+@attrs.frozen(kw_only=True)
+class DraftLayer:
+    input_norm: torch.Tensor  # [H]
+    post_attention_norm: torch.Tensor  # [H]
+    q_proj: torch.Tensor  # [heads*D, H]
+    k_proj: torch.Tensor  # [kv*D, H]
+    v_proj: torch.Tensor  # [kv*D, H]
+    o_proj: torch.Tensor  # [H, heads*D]
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [I,H], up [I,H], down [H,I]
+    biases: tuple[torch.Tensor | None, ...] = (None, None, None, None)  # q, k, v, o
+
+
+class DFlashDrafter:
+    """One forward drafts a block for each of N sessions from their new context features."""
+
+    def __init__(self, config: DrafterConfig, layers: list[DraftLayer], *, fc, hidden_norm, norm, embed, lm_head):
+        self.config = config
+        self.layers = layers
+        self.fc = fc  # [H, n_taps*H]
+        self.hidden_norm = hidden_norm  # [H]
+        self.norm = norm  # [H]
+        self.embed = embed  # [V, H] the target's
+        self.lm_head = lm_head  # [V, H] the target's
+        self.rotary = Rotary(config.rope, config.head_dim)
+
+    def new_cache(self) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.embed.dtype, self.embed.device)
+
+    @torch.inference_mode()
+    def draft_logits(
+        self, contexts: Sequence[torch.Tensor], blocks: Sequence[torch.Tensor], caches: Sequence[KVCache]
+    ) -> list[torch.Tensor]:
+        """contexts[i]: [c_i, n_taps*H] taps not yet seen; blocks[i]: [b_i] anchor + masks.
+
+        Returns per session [b_i - 1, V] float32 logits for positions start+1 … start+b_i-1.
+        Each cache keeps the context K/V; block K/V are scratch.
+        """
+        cfg = self.config
+        ctx_lens = [int(c.shape[0]) for c in contexts]
+        block_lens = [int(b.numel()) for b in blocks]
+        for cache, c, b in zip(caches, ctx_lens, block_lens, strict=True):
+            cache.reserve(cache.length + c + b)
+        ctx = rms_norm(F.linear(torch.cat(list(contexts)), self.fc), self.hidden_norm, cfg.rms_norm_eps)  # [C, H]
+        x = F.embedding(torch.cat(list(blocks)), self.embed) * cfg.input_embedding_scale  # [Bt, H]
+        positions = torch.cat([
+            torch.arange(cache.length, cache.length + c + b, device=x.device)
+            for cache, c, b in zip(caches, ctx_lens, block_lens)
+        ])  # [C + Bt] per session: its context then its block
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            x = x + self._attention(index, layer, ctx, h, cos, sin, caches, ctx_lens, block_lens)
+            x = x + swiglu(rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps), *layer.mlp)
+        for cache, c in zip(caches, ctx_lens):
+            cache.advance(c)
+        hidden = rms_norm(x, self.norm, cfg.rms_norm_eps)  # [Bt, H]
+        drafts_at = torch.cat([torch.arange(1, b) + off for b, off in zip(block_lens, _offsets(block_lens))])
+        logits = F.linear(hidden[drafts_at], self.lm_head).float() * cfg.output_multiplier  # [Bt - N, V]
+        if cfg.logit_softcap:
+            logits = torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
+        return list(logits.split([b - 1 for b in block_lens]))
+
+    def _attention(self, index, layer: DraftLayer, ctx, h, cos, sin, caches, ctx_lens, block_lens):
+        cfg = self.config
+        D = cfg.head_dim
+        q_bias, k_bias, v_bias, o_bias = layer.biases
+        q = rms_norm(F.linear(h, layer.q_proj, q_bias).view(-1, cfg.num_heads, D), layer.q_norm, cfg.rms_norm_eps)
+        k_ctx, k_blk = (F.linear(t, layer.k_proj, k_bias).view(-1, cfg.num_kv_heads, D) for t in (ctx, h))
+        v_ctx, v_blk = (F.linear(t, layer.v_proj, v_bias).view(-1, cfg.num_kv_heads, D) for t in (ctx, h))
+        window = cfg.sliding_window[index]
+        outputs, c0, b0, p0 = [], 0, 0, 0
+        for cache, c, b in zip(caches, ctx_lens, block_lens):
+            k = rms_norm(torch.cat([k_ctx[c0 : c0 + c], k_blk[b0 : b0 + b]]), layer.k_norm, cfg.rms_norm_eps)
+            v = torch.cat([v_ctx[c0 : c0 + c], v_blk[b0 : b0 + b]])  # [c+b, kv, D]
+            cos_s, sin_s = cos[p0 : p0 + c + b], sin[p0 : p0 + c + b]
+            k = apply_rotary(k.transpose(0, 1), cos_s, sin_s)  # [kv, c+b, D]
+            qs = apply_rotary(q[b0 : b0 + b].transpose(0, 1), cos_s[c:], sin_s[c:])  # [heads, b, D]
+            keys, values = cache.write(index, k, v.transpose(0, 1))  # [kv, past+c+b, D]
+            mask = None if window is None else _sliding_causal_mask(b, keys.shape[1], window, h.device)
+            outputs.append(F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True))
+            c0, b0, p0 = c0 + c, b0 + b, p0 + c + b
+        attn = torch.cat(outputs, dim=1).transpose(0, 1).reshape(h.shape[0], cfg.num_heads * D)  # [Bt, heads*D]
+        return F.linear(attn, layer.o_proj, o_bias)
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in lengths:
+        out.append(total)
+        total += n
+    return out
+
+
+def _sliding_causal_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
+    """Sliding-window layers of published drafters are causal within the window (as the reference)."""
+    q_pos = torch.arange(keys - queries, keys, device=device)[:, None]
+    k_pos = torch.arange(keys, device=device)[None, :]
+    return (k_pos <= q_pos) & (q_pos - k_pos < window)  # [queries, keys]
+
+
+def load_drafter(directory: Path | str, target, *, progress: bool = False) -> DFlashDrafter:
+    """Load a DFlash checkpoint unchanged and pair it with `target` (a Qwen3MoeModel)."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: missing drafter config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from exc
+    cfg = DrafterConfig.from_dict(raw, str(config_path))
+    checkpoint = Checkpoint(directory)
+    fc_info = checkpoint.tensors.get("fc.weight")
+    if fc_info is None:
+        raise CheckpointError(f"{directory}: tensor 'fc.weight' is missing from the drafter checkpoint")
+    cfg.check_pairing(target.config, fc_info.shape[-1], str(directory))
+    dtype, device = target.dtype, target.device
+    H, D = cfg.hidden_size, cfg.head_dim
+
+    def load(name: str, *shape: int) -> torch.Tensor:
+        return checkpoint.load(name, shape, dtype).to(device)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        qd, kvd = cfg.num_heads * D, cfg.num_kv_heads * D
+        biases = (
+            tuple(load(p + f"self_attn.{n}_proj.bias", size) for n, size in zip("qkvo", (qd, kvd, kvd, H)))
+            if cfg.attention_bias else (None, None, None, None)
+        )
+        layers.append(DraftLayer(
+            input_norm=load(p + "input_layernorm.weight", H),
+            post_attention_norm=load(p + "post_attention_layernorm.weight", H),
+            q_proj=load(p + "self_attn.q_proj.weight", qd, H),
+            k_proj=load(p + "self_attn.k_proj.weight", kvd, H),
+            v_proj=load(p + "self_attn.v_proj.weight", kvd, H),
+            o_proj=load(p + "self_attn.o_proj.weight", H, qd),
+            q_norm=load(p + "self_attn.q_norm.weight", D),
+            k_norm=load(p + "self_attn.k_norm.weight", D),
+            mlp=(
+                load(p + "mlp.gate_proj.weight", cfg.intermediate_size, H),
+                load(p + "mlp.up_proj.weight", cfg.intermediate_size, H),
+                load(p + "mlp.down_proj.weight", H, cfg.intermediate_size),
+            ),
+            biases=biases,
+        ))
+    return DFlashDrafter(
+        cfg,
+        layers,
+        fc=load("fc.weight", H, len(cfg.tap_layers) * H),
+        hidden_norm=load("hidden_norm.weight", H),
+        norm=load("norm.weight", H),
+        embed=target.embed,
+        lm_head=target.lm_head,
+    )

@@ -1,0 +1,94 @@
+"""Route projection: which (layer, expert) pairs a drafted block's verify will route to.
+
+Projectors are pluggable; each returns one projected union per session. The byte figures
+are exact sums over the byte map, never count × average.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import attrs
+import torch
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+
+def routed_union(routed: torch.Tensor, moe_layer_ids: Sequence[int]) -> frozenset[ExpertKey]:
+    """[n, L_moe, K] routed ids → the set of (layer, expert) pairs they touch."""
+    layers = torch.tensor(moe_layer_ids, dtype=torch.int64, device=routed.device)[None, :, None].expand_as(routed)
+    pairs = torch.stack([layers.flatten(), routed.flatten()], dim=1).unique(dim=0)  # [U, 2]
+    return frozenset(map(tuple, pairs.tolist()))
+
+
+def union_bytes(union: Iterable[ExpertKey], expert_nbytes: dict[ExpertKey, int]) -> int:
+    return sum(expert_nbytes[key] for key in union)
+
+
+@attrs.frozen(kw_only=True)
+class ProjectionQuality:
+    """How a projected union compared with the union the verify actually routed."""
+
+    coverage: float  # |projected ∩ actual| / |actual|
+    coverage_bytes: float  # bytes(projected ∩ actual) / bytes(actual)
+    waste_bytes: int  # bytes(projected − actual): fetched for nothing
+
+    @classmethod
+    def compare(cls, projected, actual, expert_nbytes) -> "ProjectionQuality":
+        hit = projected & actual
+        actual_bytes = union_bytes(actual, expert_nbytes)
+        return cls(
+            coverage=len(hit) / len(actual) if actual else 1.0,
+            coverage_bytes=union_bytes(hit, expert_nbytes) / actual_bytes if actual_bytes else 1.0,
+            waste_bytes=union_bytes(projected - actual, expert_nbytes),
+        )
+
+
+class Projector(Protocol):
+    name: str
+
+    def project(self, speculator, sessions, blocks: Sequence[torch.Tensor]) -> list[frozenset[ExpertKey]]:
+        ...
+
+
+class LastUnionProjector:
+    """Assume the block routes like the session's previous target forward did."""
+
+    name = "last-union"
+
+    def project(self, speculator, sessions, blocks):
+        return [s.last_union for s in sessions]
+
+
+class RouterPassProjector:
+    """A router-only pass of the drafted blocks through the target: attention and gates, experts skipped."""
+
+    name = "router"
+
+    def project(self, speculator, sessions, blocks):
+        target = speculator.target
+        out = target.forward(blocks, [s.target_cache for s in sessions], skip_experts=True, commit=False)
+        return [routed_union(r, target.config.moe_layer_ids) for r in out.split(out.routed)]
+
+
+class ExactProjector:
+    """The true union: a full uncommitted forward of the block (as costly as the verify; an upper bound)."""
+
+    name = "exact"
+
+    def project(self, speculator, sessions, blocks):
+        target = speculator.target
+        out = target.forward(blocks, [s.target_cache for s in sessions], commit=False)
+        return [routed_union(r, target.config.moe_layer_ids) for r in out.split(out.routed)]
+
+
+PROJECTORS: dict[str, Callable[[], Projector]] = {
+    p.name: p for p in (LastUnionProjector, RouterPassProjector, ExactProjector)
+}
+
+
+def make_projector(name: str) -> Projector:
+    if name not in PROJECTORS:
+        raise ValueError(f"projector {name!r} is unknown; choose one of {', '.join(PROJECTORS)}")
+    return PROJECTORS[name]()

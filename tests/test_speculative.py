@@ -1,0 +1,172 @@
+"""DFlash rounds: lossless greedy output, the round order, projections and their byte sums."""
+
+import pytest
+import torch
+
+from pdflash.drafter import load_drafter
+from pdflash.errors import CheckpointError
+from pdflash.generate import generate_autoregressive
+from pdflash.loader import load_target
+from pdflash.projection import routed_union, union_bytes
+from pdflash.sampling import SamplingParams
+from pdflash.speculator import RoundOrderError, Speculator, speculative_generate
+from pdflash.tiny import write_tiny_drafter
+
+PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63)), [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_target):
+    return load_target(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def drafter(loaded, tiny_target, tmp_path_factory):
+    return load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_target), loaded.model)
+
+
+def speculator(loaded, drafter, **kw):
+    return Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes, **kw)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_greedy_speculative_equals_autoregressive(loaded, drafter, block_size):
+    params = SamplingParams(max_tokens=40)
+    spec = speculator(loaded, drafter, block_size=block_size)
+    for prompt in PROMPTS:
+        expected = generate_autoregressive(loaded.model, prompt, params).token_ids
+        assert speculative_generate(spec, prompt, params).token_ids == expected
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_batched_rounds_equal_single_rounds(loaded, drafter, block_size):
+    params = SamplingParams(max_tokens=30)
+    spec = speculator(loaded, drafter, block_size=block_size)
+    alone = [speculative_generate(spec, p, params) for p in PROMPTS]
+    sessions = spec.begin_sessions([(p, params) for p in PROMPTS])
+    while live := [s for s in sessions if not s.finished]:
+        spec.draft_rounds(live)
+        spec.verify_rounds(live)
+    for session, single in zip(sessions, alone):
+        assert tuple(session.emitted) == single.token_ids
+        assert tuple(session.acceptance_lengths) == single.acceptance_lengths
+
+
+def test_trained_like_drafter_accepts_more_than_one(loaded, drafter):
+    """A drafter that is told the target's own next tokens is fully accepted (sanity of acceptance)."""
+    params = SamplingParams(max_tokens=24)
+    truth = generate_autoregressive(loaded.model, PROMPTS[1], params).token_ids
+    spec = speculator(loaded, drafter, block_size=4)
+    session = spec.begin_session(PROMPTS[1], params)
+    spec.draft_round(session)
+    position = len(session.emitted)
+    session.pending = session.pending.__class__(
+        block=(session.anchor, *truth[position : position + 3]), expert_union=frozenset(), expert_bytes=0,
+        fetch_bytes=0, projection_seconds=0.0,
+    )
+    result = spec.verify_round(session)
+    assert result.accept_len == 3 and list(result.accepted_ids) == list(truth[position : position + 4])
+
+
+def test_misordered_rounds_raise(loaded, drafter):
+    spec = speculator(loaded, drafter)
+    session = spec.begin_session(PROMPTS[0], SamplingParams(max_tokens=4))
+    with pytest.raises(RoundOrderError, match="without a pending draft"):
+        spec.verify_round(session)
+    spec.draft_round(session)
+    with pytest.raises(RoundOrderError, match="twice without a verify"):
+        spec.draft_round(session)
+    while not session.finished:
+        if session.pending is None:
+            spec.draft_round(session)
+        spec.verify_round(session)
+    with pytest.raises(RoundOrderError, match="finished session"):
+        spec.draft_round(session)
+    with pytest.raises(RoundOrderError, match="finished session"):
+        spec.verify_round(session)
+
+
+def test_first_token_stop_finishes_session(loaded, drafter):
+    first = generate_autoregressive(loaded.model, PROMPTS[0], SamplingParams(max_tokens=1)).token_ids[0]
+    spec = speculator(loaded, drafter)
+    session = spec.begin_session(PROMPTS[0], SamplingParams(max_tokens=10, stop_token_ids=[first]))
+    assert session.finished and session.finish_reason == "stop" and session.emitted == [first]
+
+
+def test_stop_token_truncates_right_after_it(loaded, drafter):
+    params = SamplingParams(max_tokens=30)
+    full = generate_autoregressive(loaded.model, PROMPTS[1], params).token_ids
+    stop = full[10]
+    cut = full[: full.index(stop) + 1]
+    result = speculative_generate(speculator(loaded, drafter), PROMPTS[1], SamplingParams(max_tokens=30, stop_token_ids=[stop]))
+    assert result.token_ids == cut and result.finish_reason == "stop"
+
+
+def test_projection_bytes_are_exact_sums(loaded, drafter):
+    spec = speculator(loaded, drafter, projector="router")
+    session = spec.begin_session(PROMPTS[1], SamplingParams(max_tokens=8))
+    draft = spec.draft_round(session)
+    assert draft.expert_union
+    assert draft.expert_bytes == sum(loaded.expert_nbytes[k] for k in draft.expert_union)
+    assert draft.fetch_bytes == draft.expert_bytes  # nothing is device-resident without a cache
+
+
+def test_exact_projector_has_full_coverage(loaded, drafter):
+    spec = speculator(loaded, drafter, projector="exact")
+    result = speculative_generate(spec, PROMPTS[1], SamplingParams(max_tokens=24))
+    assert result.stats["projection_coverage"] == 1.0
+    assert result.stats["projection_waste_bytes"] == 0
+
+
+@pytest.mark.parametrize("projector", ["router", "last-union"])
+def test_projectors_record_coverage_and_waste(loaded, drafter, projector):
+    result = speculative_generate(speculator(loaded, drafter, projector=projector), PROMPTS[1], SamplingParams(max_tokens=24))
+    assert 0.0 < result.stats["projection_coverage"] <= 1.0
+    assert result.stats["projection_waste_bytes"] >= 0
+    assert result.stats["verify_seconds"] > 0 and result.stats["projection_seconds"] > 0
+
+
+def test_routed_union_and_bytes(loaded):
+    routed = torch.tensor([[[1, 2], [3, 1]], [[2, 1], [0, 3]]])  # [n=2, L=2, K=2]
+    union = routed_union(routed, [0, 2])
+    assert union == {(0, 1), (0, 2), (2, 3), (2, 1), (2, 0)}
+    assert union_bytes(union, {k: 10 for k in union}) == 50
+
+
+def test_unknown_projector_is_named(loaded, drafter):
+    with pytest.raises(ValueError, match="projector 'psychic' is unknown; choose one of last-union, router, exact"):
+        speculator(loaded, drafter, projector="psychic")
+
+
+def test_autoregressive_mode_is_block_of_one(loaded):
+    spec = Speculator(loaded.model, None, expert_nbytes=loaded.expert_nbytes)
+    params = SamplingParams(max_tokens=20)
+    result = speculative_generate(spec, PROMPTS[0], params)
+    assert result.token_ids == generate_autoregressive(loaded.model, PROMPTS[0], params).token_ids
+    assert set(result.acceptance_lengths) == {1}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"hidden_size": 32}, "hidden_size 32 != target hidden_size 64"),
+        ({"vocab_size": 100}, "vocab_size 100 != target vocab_size 264"),
+        ({"block_size": 1}, "block_size 1 must be >= 2"),
+        ({"dflash_config": {"mask_token_id": 5000}}, "mask_token_id 5000 is not below the target vocab_size 264"),
+        ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 9]}}, r"target_layer_ids \[9\] are not below"),
+    ],
+)
+def test_mismatched_drafter_is_rejected(loaded, tiny_target, tmp_path, override, message):
+    d = write_tiny_drafter(tmp_path / "d", tiny_target, **override)
+    with pytest.raises(CheckpointError, match=message):
+        load_drafter(d, loaded.model)
+
+
+def test_fc_shape_mismatch_is_rejected(loaded, tiny_target, tmp_path):
+    import json
+    d = write_tiny_drafter(tmp_path / "d", tiny_target, num_layers=2)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [0, 1, 2]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"fc.in_features 128 != 3 taps x hidden_size 64"):
+        load_drafter(d, loaded.model)
