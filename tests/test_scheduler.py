@@ -1,0 +1,552 @@
+"""Verify admission: the 2-D deficit function's vectors and properties, byte charging, and
+the async ticket scheduler (order, cancellation, token-only mode, configuration errors)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import anyio
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdflash.scheduler import (
+    AdmissionCancelled,
+    ChargeMode,
+    Deficit2D,
+    VerifyAdmission,
+    VerifyDemand,
+    VerifyScheduler,
+    admit_verify_demands,
+    charge_bytes,
+)
+
+BUDGET = Deficit2D(16, 80)
+CAP = Deficit2D(32, 160)
+ZERO = Deficit2D(0, 0)
+PROPS = settings(max_examples=200, deadline=None)
+
+
+def admit(demands, budget=BUDGET, carried=ZERO, cap=CAP, **kw) -> VerifyAdmission:
+    return admit_verify_demands(demands, budget, carried, cap, **kw)
+
+
+# --- the hand-checked vectors (ARCHITECTURE "2-D deficit admission") ------------------------
+
+
+def test_in_flight_is_seated_and_the_rest_of_the_pool_admits_a_new_demand():
+    # pool = (16,80) - (8,40) = (8,40); the new (8,40) fits exactly -> carry (0,0)
+    out = admit([VerifyDemand("run", 8, 40, in_flight=True), VerifyDemand("new", 8, 40)])
+    assert out == VerifyAdmission(seated_ids=("run",), admitted_ids=("new",), carried=ZERO)
+
+
+def test_a_demand_over_the_byte_pool_waits_and_the_whole_budget_carries():
+    # 90 bytes > 80: not admitted; pool (16,80) is under the cap -> carried whole
+    out = admit([VerifyDemand("a", 8, 90)])
+    assert out == VerifyAdmission((), (), Deficit2D(16, 80))
+
+
+def test_three_equal_demands_admit_the_first_two_that_fill_the_budget():
+    out = admit([VerifyDemand(s, 8, 40) for s in "abc"])
+    assert out == VerifyAdmission((), ("a", "b"), ZERO)
+
+
+def test_a_demand_larger_than_one_budget_is_admitted_on_the_carried_deficit():
+    big = [VerifyDemand("big", 24, 120)]
+    tick1 = admit(big)  # (24,120) > (16,80)
+    assert tick1 == VerifyAdmission((), (), Deficit2D(16, 80))
+    tick2 = admit(big, carried=tick1.carried)  # pool (32,160) -> leaves (8,40)
+    assert tick2 == VerifyAdmission((), ("big",), Deficit2D(8, 40))
+
+
+def test_first_fit_skips_a_demand_over_the_token_pool_and_admits_the_next():
+    # (20,10): 20 > 16 tokens, skipped; (4,10) fits -> pool (12,70)
+    out = admit([VerifyDemand("wide", 20, 10), VerifyDemand("narrow", 4, 10)])
+    assert out == VerifyAdmission((), ("narrow",), Deficit2D(12, 70))
+
+
+def test_a_cap_below_a_single_demand_raises_naming_tokens():
+    with pytest.raises(ValueError, match=r"cap\.tokens=16 .*'a' \(24\).*must be >= 24"):
+        admit([VerifyDemand("a", 24, 10)], cap=Deficit2D(16, 80))
+
+
+def test_a_cap_below_a_single_demand_raises_naming_expert_bytes():
+    with pytest.raises(ValueError, match=r"cap\.expert_bytes=80 .*'a' \(90\).*must be >= 90"):
+        admit([VerifyDemand("a", 8, 90)], cap=Deficit2D(16, 80))
+
+
+def test_an_in_flight_demand_over_budget_is_still_seated_and_carry_clamps_at_zero():
+    # pool = (16,80) - (40,200) = (-24,-120) -> clamp to (0,0)
+    out = admit([VerifyDemand("run", 40, 200, in_flight=True)], cap=Deficit2D(64, 320))
+    assert out == VerifyAdmission(("run",), (), ZERO)
+
+
+GUARD_QUEUE = [
+    VerifyDemand("big", 24, 120, skipped_ticks=4),
+    VerifyDemand("s1", 8, 40),
+    VerifyDemand("s2", 8, 40),
+]
+
+
+def test_a_demand_skipped_barrier_after_times_blocks_the_demands_behind_it():
+    tick1 = admit(GUARD_QUEUE)
+    assert tick1 == VerifyAdmission((), (), Deficit2D(16, 80))
+    # pool (32,160): big -> (8,40), s1 -> (0,0), s2 does not fit
+    tick2 = admit(GUARD_QUEUE, carried=tick1.carried)
+    assert tick2 == VerifyAdmission((), ("big", "s1"), ZERO)
+
+
+def test_without_enough_skips_the_large_demand_is_passed_over_first_fit():
+    fresh = [VerifyDemand("big", 24, 120, skipped_ticks=0)] + GUARD_QUEUE[1:]
+    assert admit(fresh) == VerifyAdmission((), ("s1", "s2"), ZERO)
+
+
+# --- validation and purity -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "demands, budget, carried, cap, match",
+    [
+        ([VerifyDemand("a", -1, 0)], BUDGET, ZERO, CAP, r"demand 'a' has tokens=-1"),
+        ([VerifyDemand("a", 1, -5)], BUDGET, ZERO, CAP, r"demand 'a' has expert_bytes=-5"),
+        ([VerifyDemand("a", 1, 1, skipped_ticks=-1)], BUDGET, ZERO, CAP, r"skipped_ticks=-1"),
+        ([], Deficit2D(-1, 0), ZERO, CAP, r"budget\.tokens=-1 is negative"),
+        ([], BUDGET, Deficit2D(0, -3), CAP, r"carried\.expert_bytes=-3 is negative"),
+        ([], BUDGET, ZERO, Deficit2D(-2, 0), r"cap\.tokens=-2 is negative"),
+    ],
+)
+def test_negative_values_anywhere_raise(demands, budget, carried, cap, match):
+    with pytest.raises(ValueError, match=match):
+        admit_verify_demands(demands, budget, carried, cap)
+
+
+def test_negative_barrier_after_raises():
+    with pytest.raises(ValueError, match=r"barrier_after=-1 is negative"):
+        admit([], barrier_after=-1)
+
+
+def test_inputs_are_not_mutated():
+    demands = [VerifyDemand("run", 8, 40, in_flight=True)] + list(GUARD_QUEUE)
+    before = copy.deepcopy(demands)
+    carried = Deficit2D(3, 7)
+    admit(demands, carried=carried)
+    assert demands == before and carried == Deficit2D(3, 7)
+
+
+def test_positional_and_keyword_construction_agree():
+    assert Deficit2D(16, 80) == Deficit2D(tokens=16, expert_bytes=80)
+    assert VerifyDemand("a", 8, 40) == VerifyDemand(seq_id="a", tokens=8, expert_bytes=40)
+
+
+# --- single-tick properties ----------------------------------------------------------------
+
+
+@st.composite
+def tick_inputs(draw):
+    cap = Deficit2D(draw(st.integers(0, 64)), draw(st.integers(0, 320)))
+    budget = Deficit2D(draw(st.integers(0, 64)), draw(st.integers(0, 320)))
+    carried = Deficit2D(draw(st.integers(0, 80)), draw(st.integers(0, 400)))
+    demand = st.builds(
+        VerifyDemand,
+        seq_id=st.none(),
+        tokens=st.integers(0, cap.tokens),
+        expert_bytes=st.integers(0, cap.expert_bytes),
+        in_flight=st.booleans(),
+        skipped_ticks=st.integers(0, 6),
+    )
+    raw = draw(st.lists(demand, max_size=12))
+    demands = [attrs.evolve(d, seq_id=i) for i, d in enumerate(raw)]
+    return demands, budget, carried, cap, draw(st.integers(0, 5))
+
+
+def _sum(ds):
+    ds = list(ds)
+    return sum(d.tokens for d in ds), sum(d.expert_bytes for d in ds)
+
+
+@PROPS
+@given(tick_inputs())
+def test_admitted_sums_never_exceed_budget_plus_carried_minus_seated(inputs):
+    demands, budget, carried, cap, barrier_after = inputs
+    out = admit_verify_demands(demands, budget, carried, cap, barrier_after=barrier_after)
+    seated_t, seated_b = _sum(d for d in demands if d.in_flight)
+    adm_t, adm_b = _sum(d for d in demands if d.seq_id in out.admitted_ids)
+    if out.admitted_ids:
+        assert adm_t <= budget.tokens + carried.tokens - seated_t
+        assert adm_b <= budget.expert_bytes + carried.expert_bytes - seated_b
+
+
+@PROPS
+@given(tick_inputs())
+def test_carry_stays_between_zero_and_cap(inputs):
+    demands, budget, carried, cap, barrier_after = inputs
+    out = admit_verify_demands(demands, budget, carried, cap, barrier_after=barrier_after)
+    assert 0 <= out.carried.tokens <= cap.tokens
+    assert 0 <= out.carried.expert_bytes <= cap.expert_bytes
+
+
+@PROPS
+@given(tick_inputs())
+def test_admission_is_first_fit_with_barriers_and_carries_the_clamped_rest(inputs):
+    """Oracle by characterisation: every new demand is admitted iff it fits what is left at
+    its position, nothing follows a non-fitting guarded demand, all in-flight are seated."""
+    demands, budget, carried, cap, barrier_after = inputs
+    out = admit_verify_demands(demands, budget, carried, cap, barrier_after=barrier_after)
+    assert out.seated_ids == tuple(d.seq_id for d in demands if d.in_flight)
+    seated_t, seated_b = _sum(d for d in demands if d.in_flight)
+    pool = [budget.tokens + carried.tokens - seated_t, budget.expert_bytes + carried.expert_bytes - seated_b]
+    blocked = False
+    admitted = []
+    for d in (d for d in demands if not d.in_flight):
+        fits = d.tokens <= pool[0] and d.expert_bytes <= pool[1]
+        if fits and not blocked:
+            admitted.append(d.seq_id)
+            pool = [pool[0] - d.tokens, pool[1] - d.expert_bytes]
+        elif not fits and d.skipped_ticks >= barrier_after:
+            blocked = True
+    assert out.admitted_ids == tuple(admitted)
+    assert out.carried == Deficit2D(min(max(pool[0], 0), cap.tokens), min(max(pool[1], 0), cap.expert_bytes))
+
+
+# --- many ticks: the starvation guard ------------------------------------------------------
+
+
+def ticks_to_fill(demand, budget) -> int:
+    """k = max over dimensions of ceil(size / per-tick budget), at least 1."""
+    k = 1
+    for size, per_tick in ((demand.tokens, budget.tokens), (demand.expert_bytes, budget.expert_bytes)):
+        if size:
+            k = max(k, math.ceil(size / per_tick))
+    return k
+
+
+def simulate(arrivals, budget, cap, barrier_after, n_ticks):
+    """Run the pure function tick after tick, feeding skipped demands back with one more
+    skipped tick. Returns {seq_id: (arrival_tick, admitted_tick or None, ids ahead at arrival)}
+    and {seq_id: first tick it started at the head of the line already guarded}."""
+    queue: list[VerifyDemand] = []
+    carried = ZERO
+    record, guarded_head_since = {}, {}
+    for t in range(n_ticks):
+        ahead = [d.seq_id for d in queue]
+        for d in arrivals[t] if t < len(arrivals) else ():
+            record[d.seq_id] = [t, None, tuple(ahead)]
+            ahead.append(d.seq_id)
+            queue.append(d)
+        if queue and queue[0].skipped_ticks >= barrier_after:
+            guarded_head_since.setdefault(queue[0].seq_id, t)
+        out = admit_verify_demands(queue, budget, carried, cap, barrier_after=barrier_after)
+        carried = out.carried
+        for seq_id in out.admitted_ids:
+            record[seq_id][1] = t
+        admitted = set(out.admitted_ids)
+        queue = [attrs.evolve(d, skipped_ticks=d.skipped_ticks + 1) for d in queue if d.seq_id not in admitted]
+    return record, guarded_head_since
+
+
+@st.composite
+def arrival_streams(draw):
+    budget = Deficit2D(draw(st.integers(1, 32)), draw(st.integers(1, 160)))
+    cap = Deficit2D(draw(st.integers(1, 64)), draw(st.integers(1, 320)))
+    n_ticks = draw(st.integers(1, 40))
+    counter = iter(range(10**6))
+    demand = st.builds(
+        lambda t, b: VerifyDemand(next(counter), t, b),
+        st.integers(0, cap.tokens),
+        st.integers(0, cap.expert_bytes),
+    )
+    arrivals = draw(st.lists(st.lists(demand, max_size=3), min_size=n_ticks, max_size=n_ticks))
+    return arrivals, budget, cap, draw(st.integers(0, 5)), n_ticks
+
+
+@PROPS
+@given(arrival_streams())
+def test_every_demand_is_admitted_within_the_guard_bound(stream):
+    """The bound (no in-flight demands; budget > 0 in both dimensions; cap >= every demand).
+
+    Head bound: a demand at the head of the line with skipped_ticks >= barrier_after is
+    admitted within k = max_d ceil(size_d / budget_d) ticks, counting the first one. Proof:
+    nothing precedes it, so when it does not fit it is a barrier and nothing is admitted;
+    the pool starts >= budget (carry >= 0), and after i such ticks it is
+    >= min(i * budget, budget + cap) per dimension, which covers size <= cap at i = k.
+
+    Whole-line bound: a demand D arriving at tick a behind the set A is admitted by tick
+    a + barrier_after - 1 + sum of k over A and D. From tick a + barrier_after on, D and
+    every demand ahead of it (all older) carry skipped_ticks >= barrier_after, nobody new
+    gets ahead of D, so the heads ahead of D leave one after another, each within its k.
+    """
+    arrivals, budget, cap, barrier_after, n_ticks = stream
+    record, guarded_head_since = simulate(arrivals, budget, cap, barrier_after, n_ticks)
+    by_id = {d.seq_id: d for tick in arrivals for d in tick}
+    for seq_id, (arrived, admitted_at, ahead) in record.items():
+        k_sum = sum(ticks_to_fill(by_id[j], budget) for j in (*ahead, seq_id))
+        deadline = arrived + barrier_after - 1 + k_sum
+        if admitted_at is None:  # still waiting when the run stopped: not yet overdue
+            assert n_ticks - 1 < deadline, (seq_id, arrived, deadline)
+        else:
+            assert admitted_at <= deadline, (seq_id, arrived, admitted_at, deadline)
+        if seq_id in guarded_head_since:
+            head_deadline = guarded_head_since[seq_id] + ticks_to_fill(by_id[seq_id], budget) - 1
+            if admitted_at is None:
+                assert n_ticks - 1 < head_deadline
+            else:
+                assert admitted_at <= head_deadline
+
+
+def steady_stream_behind_a_large_demand(n_ticks):
+    """A (24,120) demand, then two (8,40) demands each tick: together they fill (16,80)."""
+    counter = iter(range(10**6))
+    arrivals = [[VerifyDemand(f"small{next(counter)}", 8, 40) for _ in range(2)] for _ in range(n_ticks)]
+    arrivals[0].insert(0, VerifyDemand("large", 24, 120))
+    return arrivals
+
+
+def test_the_guard_admits_a_large_demand_behind_a_steady_stream():
+    # Skipped at ticks 0..3 (the small ones fill each tick); a barrier at tick 4 (carry
+    # (16,80)); admitted at tick 5 on a (32,160) pool: 4 + ceil(24/16) ticks.
+    record, _ = simulate(steady_stream_behind_a_large_demand(200), BUDGET, CAP, 4, 200)
+    assert record["large"][1] == 5
+
+
+def test_without_the_guard_the_same_stream_starves_the_large_demand():
+    record, _ = simulate(steady_stream_behind_a_large_demand(200), BUDGET, CAP, 10**9, 200)
+    assert record["large"][1] is None
+    assert all(r[1] is not None for seq_id, r in record.items() if seq_id != "large")
+
+
+# --- which bytes a demand is charged -------------------------------------------------------
+
+
+class Pending:
+    def __init__(self, union, byte_map, fetch_bytes=0):
+        self.union = frozenset(union)
+        self.full_bytes = sum(byte_map[e] for e in self.union)
+        self.fetch_bytes = fetch_bytes
+
+
+BYTE_MAP = {(layer, e): 10 * (layer + 1) + e for layer in range(3) for e in range(4)}
+
+
+def test_marginal_charges_only_what_each_union_adds_in_order():
+    a = Pending({(0, 0), (0, 1), (1, 2)}, BYTE_MAP, fetch_bytes=5)
+    b = Pending({(0, 1), (1, 2), (2, 3)}, BYTE_MAP, fetch_bytes=6)
+    resident, in_flight = {(0, 0)}, {(2, 3)}
+    assert charge_bytes([a, b], "marginal", BYTE_MAP, resident, in_flight) == [
+        BYTE_MAP[(0, 1)] + BYTE_MAP[(1, 2)],
+        0,  # (0,1) and (1,2) charged to a, (2,3) already coming
+    ]
+    assert charge_bytes([a, b], ChargeMode.FULL, BYTE_MAP, resident, in_flight) == [a.full_bytes, b.full_bytes]
+    assert charge_bytes([a, b], "fetch", None, resident, in_flight) == [5, 6]
+
+
+def test_marginal_charging_needs_the_byte_map():
+    with pytest.raises(ValueError, match="byte_map=None"):
+        charge_bytes([], "marginal", None, set(), set())
+
+
+experts = st.tuples(st.integers(0, 2), st.integers(0, 3))
+
+
+@PROPS
+@given(st.lists(st.frozensets(experts), max_size=8), st.frozensets(experts), st.frozensets(experts))
+def test_marginal_charges_sum_to_the_bytes_of_the_new_union(unions, resident, in_flight):
+    pending = [Pending(u, BYTE_MAP) for u in unions]
+    charges = charge_bytes(pending, ChargeMode.MARGINAL, BYTE_MAP, resident, in_flight)
+    new = frozenset().union(*unions) - resident - in_flight
+    assert sum(charges) == sum(BYTE_MAP[e] for e in new)
+    assert all(0 <= c <= p.full_bytes for c, p in zip(charges, pending))
+
+
+def test_charge_mode_defaults_to_marginal():
+    assert VerifyScheduler(token_budget=16, token_cap=32, byte_budget=80, byte_cap=160).charge_mode is ChargeMode.MARGINAL
+
+
+# --- the scheduler -------------------------------------------------------------------------
+
+
+def two_d(**kw) -> VerifyScheduler:
+    config = dict(token_budget=16, token_cap=32, byte_budget=80, byte_cap=160, charge_mode="full")
+    return VerifyScheduler(**(config | kw))
+
+
+@pytest.mark.asyncio
+async def test_waiters_are_woken_in_admission_order():
+    sched = two_d()
+    tickets = {s: sched.register(s, 8, full_bytes=40) for s in "abc"}
+    woken = []
+
+    async def waiter(s):
+        await tickets[s].wait()
+        woken.append(s)
+
+    async with anyio.create_task_group() as tg:
+        for s in "cba":  # start waiting in reverse: wake order must come from admission
+            tg.start_soon(waiter, s)
+        await anyio.wait_all_tasks_blocked()
+        assert sched.tick().admitted_ids == ("a", "b")
+        await anyio.wait_all_tasks_blocked()
+        assert woken == ["a", "b"] and sched.pending_count() == 1
+        sched.finish("a")
+        sched.finish("b")
+        assert sched.tick().admitted_ids == ("c",)
+    assert woken == ["a", "b", "c"]
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_waiter_removes_its_demand_and_the_others_are_admitted():
+    sched = two_d()
+    big = sched.register("big", 24, full_bytes=120)
+    small = sched.register("small", 8, full_bytes=40)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(big.wait)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    assert sched.pending_count() == 1
+    sched.tick()
+    assert small.admitted and sched.pending_count() == 0
+
+
+@pytest.mark.asyncio
+async def test_cancelling_a_barrier_hands_its_saved_pool_to_the_demands_behind_it():
+    sched = two_d(barrier_after=0)
+    big = sched.register("big", 24, full_bytes=120)
+    small = sched.register("small", 8, full_bytes=40)
+    assert sched.tick().admitted_ids == ()  # big is a barrier at once
+    with anyio.move_on_after(0.01):
+        await big.wait()
+    assert small.admitted, "re-assignment must not wait for the next tick"
+    assert sched.pending_count() == 0 and sched.carried == Deficit2D(8, 40)
+
+
+@pytest.mark.asyncio
+async def test_a_waiter_cancelled_just_after_admission_gives_its_share_back():
+    sched = two_d()
+    first = sched.register("first", 16, full_bytes=80)
+    second = sched.register("second", 16, full_bytes=80)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first.wait)
+        await anyio.wait_all_tasks_blocked()
+        assert sched.tick().admitted_ids == ("first",)
+        tg.cancel_scope.cancel()  # before the woken waiter ran again
+    assert sched.pending_count() == 0 and second.admitted
+    assert sched.carried == ZERO  # first's 16 tokens went back to the pool, then to second
+
+
+def test_cancelling_an_admitted_verify_before_it_runs_refunds_this_ticks_pool():
+    sched = two_d()
+    sched.register("first", 16, full_bytes=80)
+    second = sched.register("second", 8, full_bytes=40)
+    assert sched.tick().admitted_ids == ("first",)
+    assert sched.cancel("first")  # the engine's abort path
+    assert second.admitted and sched.carried == Deficit2D(8, 40)
+
+
+def test_cancel_of_a_waiting_demand_wakes_its_waiter_with_admission_cancelled():
+    async def main():
+        sched = two_d()
+        ticket = sched.register("a", 8, full_bytes=40)
+        assert sched.cancel("a") and not sched.cancel("a")
+        with pytest.raises(AdmissionCancelled, match="'a'"):
+            await ticket.wait()
+        assert sched.pending_count() == 0
+
+    anyio.run(main)
+
+
+def test_a_re_registered_demand_keeps_its_place_and_its_ticket():
+    sched = two_d()
+    a = sched.register("a", 24, full_bytes=120)
+    sched.register("b", 8, full_bytes=40)
+    assert sched.register("a", 16, full_bytes=80) is a  # re-drafted smaller
+    assert sched.tick().admitted_ids == ("a",)
+
+
+def test_a_demand_marked_in_flight_is_seated_until_finish():
+    sched = two_d()
+    sched.register("a", 8, full_bytes=40)
+    assert sched.tick().admitted_ids == ("a",)
+    sched.mark_in_flight("a")
+    with pytest.raises(ValueError, match="finish"):
+        sched.register("a", 8)
+    # pool = (16,80) + carried (8,40) - seated (8,40)
+    assert sched.tick() == VerifyAdmission(("a",), (), Deficit2D(16, 80))
+    sched.finish("a")
+    assert sched.tick().seated_ids == ()
+    with pytest.raises(KeyError, match="'a'"):
+        sched.finish("a")
+
+
+def test_marginal_mode_charges_shared_experts_once_per_tick():
+    byte_map = {(0, e): 40 for e in range(8)}
+    sched = two_d(charge_mode="marginal")
+    for s in "abc":  # same union: only the first pays its 80 bytes
+        sched.register(s, 4, union={(0, 0), (0, 1)}, full_bytes=80)
+    out = sched.tick(resident=set(), in_flight_union=set(), byte_map=byte_map)
+    assert out.admitted_ids == ("a", "b", "c") and out.carried == Deficit2D(4, 0)
+
+
+@pytest.mark.asyncio
+async def test_token_only_mode_ignores_bytes():
+    sched = VerifyScheduler(token_budget=16, token_cap=32)
+    tickets = [sched.register(s, 8, union={(0, 1)}, full_bytes=10**12, fetch_bytes=10**12) for s in "ab"]
+    out = sched.tick(resident=set(), in_flight_union=set(), byte_map=None)
+    assert out.admitted_ids == ("a", "b") and out.carried == ZERO
+    for t in tickets:
+        await t.wait()
+
+
+def test_stats_report_ticks_admissions_and_wait_percentiles():
+    now = [0.0]
+    sched = two_d(clock=lambda: now[0])
+    for s in "abc":
+        sched.register(s, 8, full_bytes=40)
+    now[0] = 1.0
+    sched.tick()  # a, b waited 1 s
+    now[0] = 3.0
+    sched.finish("a"), sched.finish("b")
+    sched.tick()  # c waited 3 s
+    stats = sched.stats()
+    assert (stats.ticks, stats.admitted, stats.pending) == (2, 3, 0)
+    assert (stats.wait_p50_s, stats.wait_p99_s, stats.last_tick_s) == (1.0, 3.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(byte_budget=80), r"byte_budget and byte_cap go together.*byte_cap=None"),
+        (dict(byte_cap=160), r"byte_budget=None, byte_cap=160"),
+        (dict(token_budget=0), r"token_budget=0 is invalid: it must be an int >= 1"),
+        (dict(token_cap=-1), r"token_cap=-1 is invalid"),
+        (dict(byte_budget=0, byte_cap=160), r"byte_budget=0 is invalid"),
+        (dict(byte_budget=80, byte_cap=-1), r"byte_cap=-1 is invalid"),
+        (dict(barrier_after=-1), r"barrier_after=-1 is invalid"),
+        (dict(token_budget=1.5), r"token_budget=1.5 is invalid"),
+        (dict(charge_mode="bogus"), r"charge_mode='bogus' is not one of 'full', 'fetch', 'marginal'"),
+    ],
+)
+def test_bad_configurations_raise_naming_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        VerifyScheduler(**(dict(token_budget=16, token_cap=32) | kw))
+
+
+def test_a_token_cap_below_one_block_is_rejected():
+    sched = VerifyScheduler(token_budget=16, token_cap=4)
+    with pytest.raises(ValueError, match=r"token_cap=4 is smaller than one verify block of 8 tokens"):
+        sched.validate_block(8)
+    VerifyScheduler(token_budget=4, token_cap=8).validate_block(8)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("a", 40), r"tokens=40 exceeds token_cap=32"),
+        (("a", 8, (), 200, 0), r"charged 200 bytes, more than byte_cap=160"),
+        (("a", 8, (), 10, 20), r"fetch_bytes=20 exceeds full_bytes=10"),
+        (("a", -1), r"tokens=-1 is invalid"),
+    ],
+)
+def test_demands_that_could_never_be_admitted_are_rejected_at_register(args, match):
+    with pytest.raises(ValueError, match=match):
+        two_d().register(*args)
