@@ -40,7 +40,9 @@ def check_swiglu_args(
         )
     sizes = {"gate_bias": intermediate_size, "up_bias": intermediate_size, "down_bias": hidden}
     for name, bias in biases.items():
-        if bias is not None and (tuple(bias.shape) != (num_slots, sizes[name]) or bias.dtype != x.dtype):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != (num_slots, sizes[name]) or bias.dtype != x.dtype:
             raise ValueError(
                 f"{name} must be {x.dtype} [S={num_slots}, {sizes[name]}]; "
                 f"got {bias.dtype} {tuple(bias.shape)}"
@@ -56,7 +58,7 @@ def check_dense_weights(
         raise ValueError(f"gate must be [S, I, H={hidden}]; got {tuple(gate.shape)}")
     slots, inter, _ = gate.shape
     if tuple(up.shape) != (slots, inter, hidden):
-        raise ValueError(f"up must be [{slots}, {inter}, {hidden}] like gate; got {tuple(up.shape)}")
+        raise ValueError(f"up must be [{slots}, {inter}, {hidden}] as gate; got {tuple(up.shape)}")
     if tuple(down.shape) != (slots, hidden, inter):
         raise ValueError(f"down must be [{slots}, {hidden}, {inter}]; got {tuple(down.shape)}")
     for name, weight in (("gate", gate), ("up", up), ("down", down)):

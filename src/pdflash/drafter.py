@@ -48,7 +48,8 @@ class DrafterConfig:
     mask_token_id: int
     num_target_layers: int
     tap_layers: tuple[int, ...]  # target layers whose residual stream feeds `fc`
-    sliding_window: tuple[int | None, ...]  # per layer: window size, None = full attention
+    causal: tuple[bool, ...]  # per layer: sliding-attention layers are causal, full ones see the whole block
+    sliding_window: tuple[int | None, ...]  # per layer: window size, None = unbounded
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     logit_softcap: float | None = None
@@ -67,7 +68,7 @@ class DrafterConfig:
         num_target = int(field("num_target_layers"))
         taps = dflash.get("target_layer_ids") or default_tap_layers(num_target, num_layers)
         layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
-        window = raw.get("sliding_window")
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None  # as Qwen3Config reads it
         num_heads = int(field("num_attention_heads"))
         softcap = dflash.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
         return cls(
@@ -85,7 +86,8 @@ class DrafterConfig:
             mask_token_id=int(field("mask_token_id")),
             num_target_layers=num_target,
             tap_layers=tuple(int(t) for t in taps),
-            sliding_window=tuple(int(window) if t == "sliding_attention" else None for t in layer_types),
+            causal=tuple(t == "sliding_attention" for t in layer_types),
+            sliding_window=tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types),
             input_embedding_scale=float(field("input_embedding_scale", 1.0)),
             output_multiplier=float(field("output_multiplier", 1.0)),
             logit_softcap=float(softcap) if softcap else None,
@@ -186,7 +188,7 @@ class DFlashDrafter:
         q = rms_norm(F.linear(h, layer.q_proj, q_bias).view(-1, cfg.num_heads, D), layer.q_norm, cfg.rms_norm_eps)
         k_ctx, k_blk = (F.linear(t, layer.k_proj, k_bias).view(-1, cfg.num_kv_heads, D) for t in (ctx, h))
         v_ctx, v_blk = (F.linear(t, layer.v_proj, v_bias).view(-1, cfg.num_kv_heads, D) for t in (ctx, h))
-        window = cfg.sliding_window[index]
+        causal, window = cfg.causal[index], cfg.sliding_window[index]
         outputs, c0, b0, p0 = [], 0, 0, 0
         for cache, c, b in zip(caches, ctx_lens, block_lens):
             k = rms_norm(torch.cat([k_ctx[c0 : c0 + c], k_blk[b0 : b0 + b]]), layer.k_norm, cfg.rms_norm_eps)
@@ -195,7 +197,7 @@ class DFlashDrafter:
             k = apply_rotary(k.transpose(0, 1), cos_s, sin_s)  # [kv, c+b, D]
             qs = apply_rotary(q[b0 : b0 + b].transpose(0, 1), cos_s[c:], sin_s[c:])  # [heads, b, D]
             keys, values = cache.write(index, k, v.transpose(0, 1))  # [kv, past+c+b, D]
-            mask = None if window is None else _sliding_causal_mask(b, keys.shape[1], window, h.device)
+            mask = _causal_mask(b, keys.shape[1], window, h.device) if causal else None
             outputs.append(F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True))
             c0, b0, p0 = c0 + c, b0 + b, p0 + c + b
         attn = torch.cat(outputs, dim=1).transpose(0, 1).reshape(h.shape[0], cfg.num_heads * D)  # [Bt, heads*D]
@@ -210,11 +212,14 @@ def _offsets(lengths: list[int]) -> list[int]:
     return out
 
 
-def _sliding_causal_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
-    """Sliding-window layers of published drafters are causal within the window (as the reference)."""
+def _causal_mask(queries: int, keys: int, window: int | None, device) -> torch.Tensor:
+    """Sliding-attention layers of published drafters are causal, within the window if one is set."""
     q_pos = torch.arange(keys - queries, keys, device=device)[:, None]
     k_pos = torch.arange(keys, device=device)[None, :]
-    return (k_pos <= q_pos) & (q_pos - k_pos < window)  # [queries, keys]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= q_pos - k_pos < window
+    return visible  # [queries, keys]
 
 
 def load_drafter(directory: Path | str, target, *, progress: bool = False) -> DFlashDrafter:

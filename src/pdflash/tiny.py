@@ -99,20 +99,23 @@ def random_target_tensors(config: dict[str, Any], generator: torch.Generator, st
     return tensors
 
 
-def write_tiny_target(directory: Path | str, *, seed: int = 0, std: float = 0.08, **overrides: Any) -> Path:
-    """A random Qwen3-MoE checkpoint with a byte-level tokenizer and a chat template."""
+def write_tiny_target(
+    directory: Path | str, *, seed: int = 0, std: float = 0.08, with_tokenizer: bool = True, **overrides: Any
+) -> Path:
+    """A random Qwen3-MoE checkpoint, by default with a byte-level tokenizer and a chat template."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = TINY_CONFIG | overrides
-    tokenizer = byte_level_tokenizer()
-    config["eos_token_id"] = tokenizer.token_to_id("<|endoftext|>")
     generator = torch.Generator().manual_seed(seed)
     save_file(random_target_tensors(config, generator, std), str(directory / "model.safetensors"))
+    if with_tokenizer:
+        tokenizer = byte_level_tokenizer()
+        config["eos_token_id"] = tokenizer.token_to_id("<|endoftext|>")
+        tokenizer.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(
+            json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"}, indent=2)
+        )
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"}, indent=2)
-    )
     return directory
 
 
