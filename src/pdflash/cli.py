@@ -25,6 +25,16 @@ def default_target() -> Path:
     return directory
 
 
+def default_drafter(target: Path) -> Path:
+    """A random DFlash drafter paired with the default tiny target (written on first use)."""
+    from pdflash.tiny import write_tiny_drafter
+
+    directory = DEFAULT_HOME / "tiny-random-drafter"
+    if not (directory / "config.json").is_file():
+        write_tiny_drafter(directory, target)
+    return directory
+
+
 def _prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         try:
@@ -37,18 +47,24 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pdflash.generate import generate_autoregressive
+    from pdflash.drafter import load_drafter
     from pdflash.loader import load_target
+    from pdflash.speculator import Speculator, speculative_generate
 
-    args.target = Path(args.target) if args.target else default_target()
+    if args.target is None:
+        args.target = default_target()
+        args.drafter = args.drafter or default_drafter(args.target)
     try:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
             seed=args.seed,
         )
         loaded = load_target(args.target, dtype=args.dtype, progress=not args.json)
+        drafter = None if args.no_spec or not args.drafter else load_drafter(args.drafter, loaded.model)
+        speculator = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes,
+                                projector=args.projector, block_size=args.block_size)
         prompt = _prompt_ids(args, loaded.tokenizer)
-        result = generate_autoregressive(loaded.model, prompt, params)
+        result = speculative_generate(speculator, prompt, params)
     except ValueError as exc:
         print(f"pdflash: {exc}", file=sys.stderr)
         return 2
@@ -62,7 +78,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }))
     else:
         print(text if loaded.tokenizer else " ".join(map(str, result.token_ids)))
-        print(f"\n[{result.stats['generated_tokens']} tokens, {result.stats['tokens_per_second']:.1f} tokens/s, "
+        tau = f"τ {result.stats['mean_acceptance_length']:.2f}, " if drafter else ""
+        print(f"\n[{result.stats['generated_tokens']} tokens, {tau}{result.stats['tokens_per_second']:.1f} tokens/s, "
               f"finish: {result.finish_reason}]", file=sys.stderr)
     return 0
 
@@ -83,7 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt",
                          description="Generate a completion for one prompt and stream it to stdout.")
-    gen.add_argument("--target", help="Hugging Face Qwen3-MoE directory (default: the built-in model)")
+    gen.add_argument("--target", type=Path, help="Hugging Face Qwen3-MoE directory (default: the built-in model)")
+    gen.add_argument("--drafter", type=Path,
+                     help="DFlash drafter directory (default: the built-in model's; without one, decode autoregressively)")
+    gen.add_argument("--no-spec", action="store_true", help="decode autoregressively even when a drafter is given")
+    gen.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    gen.add_argument("--projector", default="router", choices=["router", "last-union", "exact"],
+                     help="route projection of each drafted block (default router)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")

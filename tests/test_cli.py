@@ -1,0 +1,50 @@
+"""`pdflash generate`: the --json contract, spec == --no-spec, clear errors."""
+
+import json
+
+import pytest
+
+from pdflash.cli import main
+from pdflash.tiny import write_tiny_drafter
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target, tmp_path_factory):
+    return write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_target)
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, "--json prints exactly one line"
+    return json.loads(out[0])
+
+
+def test_json_contract_speculative_equals_no_spec(capsys, tiny_target, drafter_dir):
+    common = ["--target", str(tiny_target), "--drafter", str(drafter_dir), "--prompt", "def fib(n):", "--max-tokens", "24"]
+    spec = run_json(capsys, *common, "--block-size", "4")
+    plain = run_json(capsys, *common, "--no-spec")
+    assert set(spec) == {"token_ids", "text", "acceptance_lengths", "stats"}
+    assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
+    assert plain["acceptance_lengths"] == [] or set(plain["acceptance_lengths"]) == {1}
+    assert sum(spec["acceptance_lengths"]) == 23  # every token after the prefill's first comes from a round
+    for key in ("mean_acceptance_length", "tokens_per_second", "projection_coverage", "projection_waste_bytes"):
+        assert key in spec["stats"]
+
+
+def test_prompt_ids_and_sampling_flags(capsys, tiny_target):
+    out = run_json(capsys, "--target", str(tiny_target), "--prompt-ids", "1,2,3", "--max-tokens", "5",
+                   "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3")
+    again = run_json(capsys, "--target", str(tiny_target), "--prompt-ids", "1,2,3", "--max-tokens", "5",
+                     "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3")
+    assert out["token_ids"] == again["token_ids"] and len(out["token_ids"]) == 5
+
+
+def test_invalid_sampling_value_is_a_clear_error(capsys, tiny_target):
+    assert main(["generate", "--target", str(tiny_target), "--prompt-ids", "1", "--temperature", "-1"]) == 2
+    assert "temperature must be a finite number >= 0, got -1" in capsys.readouterr().err
+
+
+def test_missing_target_is_a_clear_error(capsys, tmp_path):
+    assert main(["generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
+    assert "missing config.json" in capsys.readouterr().err
