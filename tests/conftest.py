@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads this when a kernel is first decorated: set it before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from hf_fixtures import HF_CONFIGS, write_hf_checkpoint  # noqa: E402
