@@ -58,13 +58,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> "ModelConfig":
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing config.json (a Hugging Face model directory needs one)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_config_json(path, "a Hugging Face model directory"), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
@@ -116,6 +110,16 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", False)),
             eos_token_ids=eos_ids,
         )
+
+
+def read_config_json(path: Path, owner: str) -> dict[str, Any]:
+    """The parsed `config.json` at `path`; `owner` says whose config it is in the error."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing config.json ({owner} needs one)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
 
 
 def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:

@@ -7,7 +7,6 @@ embedding table and LM head and never touches the target's caches.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pdflash.checkpoint import Checkpoint
-from pdflash.config import ModelConfig, RopeConfig, rope_config
+from pdflash.config import ModelConfig, RopeConfig, read_config_json, rope_config
 from pdflash.errors import CheckpointError
 from pdflash.kv_cache import KVCache
 from pdflash.model import rms_norm, swiglu
@@ -226,13 +225,7 @@ def load_drafter(directory: Path | str, target, *, progress: bool = False) -> DF
     """Load a DFlash checkpoint unchanged and pair it with `target` (a Qwen3MoeModel)."""
     directory = Path(directory)
     config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{config_path}: missing drafter config.json")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from exc
-    cfg = DrafterConfig.from_dict(raw, str(config_path))
+    cfg = DrafterConfig.from_dict(read_config_json(config_path, "a DFlash drafter directory"), str(config_path))
     checkpoint = Checkpoint(directory)
     fc_info = checkpoint.tensors.get("fc.weight")
     if fc_info is None:

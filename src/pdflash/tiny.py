@@ -56,9 +56,24 @@ def byte_level_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def random_target_tensors(config: dict[str, Any], generator: torch.Generator, std: float) -> dict[str, torch.Tensor]:
+def _attention_tensors(prefix: str, config: dict[str, Any], randn) -> dict[str, torch.Tensor]:
+    """Norms and attention projections of one Qwen3 decoder layer (target and drafter share the layout)."""
     H, D = config["hidden_size"], config["head_dim"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    return {
+        prefix + "input_layernorm.weight": torch.ones(H),
+        prefix + "post_attention_layernorm.weight": torch.ones(H),
+        prefix + "self_attn.q_proj.weight": randn(heads * D, H),
+        prefix + "self_attn.k_proj.weight": randn(kv * D, H),
+        prefix + "self_attn.v_proj.weight": randn(kv * D, H),
+        prefix + "self_attn.o_proj.weight": randn(H, heads * D),
+        prefix + "self_attn.q_norm.weight": torch.ones(D),
+        prefix + "self_attn.k_norm.weight": torch.ones(D),
+    }
+
+
+def random_target_tensors(config: dict[str, Any], generator: torch.Generator, std: float) -> dict[str, torch.Tensor]:
+    H = config["hidden_size"]
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=generator) * std
@@ -68,16 +83,7 @@ def random_target_tensors(config: dict[str, Any], generator: torch.Generator, st
         tensors["lm_head.weight"] = randn(config["vocab_size"], H)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": torch.ones(H),
-            p + "post_attention_layernorm.weight": torch.ones(H),
-            p + "self_attn.q_proj.weight": randn(heads * D, H),
-            p + "self_attn.k_proj.weight": randn(kv * D, H),
-            p + "self_attn.v_proj.weight": randn(kv * D, H),
-            p + "self_attn.o_proj.weight": randn(H, heads * D),
-            p + "self_attn.q_norm.weight": torch.ones(D),
-            p + "self_attn.k_norm.weight": torch.ones(D),
-        }
+        tensors |= _attention_tensors(p, config, randn)
         sparse = i not in config["mlp_only_layers"] and (i + 1) % config["decoder_sparse_step"] == 0
         if sparse:
             inter = config["moe_intermediate_size"]
@@ -146,8 +152,7 @@ def drafter_config(target_config: dict[str, Any], *, num_layers: int, block_size
 
 def random_drafter_tensors(config: dict[str, Any], num_taps: int, generator: torch.Generator,
                            std: float) -> dict[str, torch.Tensor]:
-    H, D, inter = config["hidden_size"], config["head_dim"], config["intermediate_size"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    H, inter = config["hidden_size"], config["intermediate_size"]
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=generator) * std
@@ -155,15 +160,7 @@ def random_drafter_tensors(config: dict[str, Any], num_taps: int, generator: tor
     tensors = {"fc.weight": randn(H, num_taps * H), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H)}
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": torch.ones(H),
-            p + "post_attention_layernorm.weight": torch.ones(H),
-            p + "self_attn.q_proj.weight": randn(heads * D, H),
-            p + "self_attn.k_proj.weight": randn(kv * D, H),
-            p + "self_attn.v_proj.weight": randn(kv * D, H),
-            p + "self_attn.o_proj.weight": randn(H, heads * D),
-            p + "self_attn.q_norm.weight": torch.ones(D),
-            p + "self_attn.k_norm.weight": torch.ones(D),
+        tensors |= _attention_tensors(p, config, randn) | {
             p + "mlp.gate_proj.weight": randn(inter, H),
             p + "mlp.up_proj.weight": randn(inter, H),
             p + "mlp.down_proj.weight": randn(H, inter),
