@@ -48,3 +48,15 @@ def test_invalid_sampling_value_is_a_clear_error(capsys, tiny_target):
 def test_missing_target_is_a_clear_error(capsys, tmp_path):
     assert main(["generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
     assert "missing config.json" in capsys.readouterr().err
+
+
+def test_offload_flags_keep_tokens_and_report_traffic(capsys, tiny_target, drafter_dir):
+    common = ["--target", str(tiny_target), "--drafter", str(drafter_dir), "--prompt", "def f():", "--max-tokens", "12"]
+    resident = run_json(capsys, *common)
+    offloaded = run_json(capsys, *common, "--expert-cache-fraction", "0.25", "--eviction", "lru",
+                         "--emulate-link-gbps", "16")
+    assert offloaded["token_ids"] == resident["token_ids"]
+    stats = offloaded["stats"]
+    assert stats["link"] == "emulated" and stats["expert_bytes_fetched"] > 0
+    for key in ("expert_cache_peak_bytes", "expert_cache_hit_rate", "exposed_fetch_seconds"):
+        assert key in stats

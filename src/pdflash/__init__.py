@@ -1,6 +1,7 @@
 """pdflash: serve Mixture-of-Experts models with offloaded experts and DFlash speculative decoding."""
 
+from pdflash.engine import AsyncEngine, EngineConfig, EngineOverloadedError
 from pdflash.sampling import SamplingParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineOverloadedError", "SamplingParams"]
 __version__ = "0.1.0"

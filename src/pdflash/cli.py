@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from pdflash.sampling import SamplingParams
@@ -47,41 +48,71 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pdflash.drafter import load_drafter
-    from pdflash.loader import load_target
-    from pdflash.speculator import Speculator, speculative_generate
+    import anyio
+
+    from pdflash.engine import VERIFY_BUDGETS, AsyncEngine
 
     if args.target is None:
         args.target = default_target()
         args.drafter = args.drafter or default_drafter(args.target)
+    budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
+    offload = None
+    if args.expert_cache_bytes is not None or args.expert_cache_fraction is not None:
+        offload = {"expert_cache_bytes": args.expert_cache_bytes, "expert_cache_fraction": args.expert_cache_fraction,
+                   "policy": args.eviction, "link_gbps": args.emulate_link_gbps}
     try:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
             seed=args.seed,
         )
-        loaded = load_target(args.target, dtype=args.dtype, progress=not args.json)
-        drafter = None if args.no_spec or not args.drafter else load_drafter(args.drafter, loaded.model)
-        speculator = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes,
-                                projector=args.projector, block_size=args.block_size)
-        prompt = _prompt_ids(args, loaded.tokenizer)
-        result = speculative_generate(speculator, prompt, params)
+        engine = AsyncEngine.from_pretrained(
+            args.target, None if args.no_spec else args.drafter, block_size=args.block_size,
+            projector=args.projector, dtype=args.dtype, progress=not args.json, max_num_seqs=1, offload=offload,
+            **budgets,
+        )
+        prompt = _prompt_ids(args, engine.tokenizer)
+        result = anyio.run(_generate_one, engine, prompt, params, not args.json)
     except ValueError as exc:
         print(f"pdflash: {exc}", file=sys.stderr)
         return 2
-    text = loaded.tokenizer.decode(list(result.token_ids)) if loaded.tokenizer else ""
     if args.json:
-        print(json.dumps({
-            "token_ids": list(result.token_ids),
-            "text": text,
-            "acceptance_lengths": list(result.acceptance_lengths),
-            "stats": result.stats | {"finish_reason": result.finish_reason},
-        }))
+        print(json.dumps(result))
     else:
-        print(text if loaded.tokenizer else " ".join(map(str, result.token_ids)))
-        tau = f"τ {result.stats['mean_acceptance_length']:.2f}, " if drafter else ""
-        print(f"\n[{result.stats['generated_tokens']} tokens, {tau}{result.stats['tokens_per_second']:.1f} tokens/s, "
-              f"finish: {result.finish_reason}]", file=sys.stderr)
+        stats = result["stats"]
+        tau = f"τ {stats['mean_acceptance_length']:.2f}, " if engine.speculator.drafter else ""
+        print(f"\n[{stats['generated_tokens']} tokens, {tau}{stats['tokens_per_second']:.1f} tokens/s, "
+              f"finish: {stats['finish_reason']}]", file=sys.stderr)
     return 0
+
+
+async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo: bool) -> dict:
+    """One request through the engine; `echo` streams its text (or token ids) to stdout."""
+    started = time.perf_counter()
+    token_ids, text = [], ""
+    async with engine:
+        async for out in engine.generate(prompt, params):
+            token_ids += out.token_ids
+            text += out.text
+            if echo:
+                print(out.text if engine.tokenizer else "".join(f"{t} " for t in out.token_ids), end="", flush=True)
+        offload_stats = engine.provider.stats() if engine.provider is not None else {}
+    done = time.perf_counter()
+    m = out.metrics
+    first_at = started + m.ttft_seconds
+    n = len(token_ids)
+    return {
+        "token_ids": token_ids,
+        "text": text,
+        "acceptance_lengths": list(m.acceptance_lengths),
+        "stats": {
+            "prompt_tokens": m.prompt_tokens, "generated_tokens": n, "seconds": done - started,
+            "time_to_first_token_seconds": m.ttft_seconds,
+            "tokens_per_second": (n - 1) / (done - first_at) if n > 1 and done > first_at else 0.0,
+        } | (m.session_stats or {}) | {
+            "expert_bytes": m.expert_bytes, "fetch_bytes": m.fetch_bytes,
+            "admission_wait_seconds": m.admission_wait_seconds, "finish_reason": out.finish_reason,
+        } | offload_stats,
+    }
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -117,6 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                      help="compute dtype (default float32 on CPU, bfloat16 on a GPU that supports it)")
+    gen.add_argument("--verify-token-budget", type=int, default=None,
+                     help="verify admission: tokens per tick (give all four budgets or none; none = token-only)")
+    gen.add_argument("--verify-byte-budget", type=int, default=None,
+                     help="verify admission: expert bytes per tick")
+    gen.add_argument("--verify-token-cap", type=int, default=None,
+                     help="verify admission: tokens carried at most (>= one block)")
+    gen.add_argument("--verify-byte-cap", type=int, default=None,
+                     help="verify admission: expert bytes carried at most (>= one block's largest union)")
+    cache = gen.add_mutually_exclusive_group()
+    cache.add_argument("--expert-cache-bytes", type=int, default=None,
+                       help="offload experts to the host store behind a device cache of this many bytes")
+    cache.add_argument("--expert-cache-fraction", type=float, default=None,
+                       help="offload experts behind a device cache holding this fraction of all expert bytes")
+    gen.add_argument("--eviction", default="activation", choices=["lru", "lfu", "activation"],
+                     help="expert cache eviction policy (default activation: recency-weighted routing history)")
+    gen.add_argument("--emulate-link-gbps", type=float, default=None,
+                     help="emulate a host-to-device link of this bandwidth (GB/s) on machines without a GPU")
     gen.add_argument("--json", action="store_true",
                      help='print one JSON object {"token_ids", "text", "acceptance_lengths", "stats"}')
     gen.set_defaults(func=cmd_generate)

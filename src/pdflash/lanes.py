@@ -1,0 +1,80 @@
+"""Executor lanes: the dedicated threads model work runs on, never the event loop.
+
+Owns the threads (one per lane, so work on a lane is serialized in submission order), the
+CUDA stream each lane enters inside every call, and the time each lane spends in calls.
+Must not decide what runs: the engine submits. Speculator sessions are not thread-safe:
+the engine's step runs a session's rounds one after another, never on two lanes at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import torch
+
+
+class Lane:
+    """One single-thread executor; on CUDA, calls run on the lane's own stream."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdflash-{name}")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.busy_seconds = 0.0  # wall time spent inside calls
+        self.calls = 0
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the lane and await its result (its exception is raised here)."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue `fn(*args)` without waiting for it (fire and forget: check the future)."""
+        return self._executor.submit(self._call, fn, args)
+
+    def _call(self, fn: Callable[..., Any], args: tuple) -> Any:
+        # anyio/asyncio never pin a thread to a stream: enter it inside every call
+        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        started = time.perf_counter()
+        try:
+            with stream:
+                result = fn(*args)
+            if self._stream is not None:
+                self._stream.synchronize()  # results are ready when the loop sees them
+            return result
+        finally:
+            self.busy_seconds += time.perf_counter() - started
+            self.calls += 1
+
+    def close(self) -> None:
+        """Wait for queued calls to finish and stop the thread."""
+        self._executor.shutdown(wait=True)
+
+
+@attrs.define
+class Lanes:
+    verify: Lane  # target forwards: prefill and verify
+    draft: Lane  # drafter forward + route projection; the verify lane's thread (see below)
+    prefetch: Lane  # route-ahead expert copies
+
+    @classmethod
+    def create(cls, device: torch.device) -> Lanes:
+        # The step drafts, then verifies, each awaited: a second model thread would sit idle
+        # and the two forwards would only contend for the same cores, so draft shares it.
+        verify = Lane("verify", device)
+        return cls(verify=verify, draft=verify, prefetch=Lane("prefetch", device))
+
+    @property
+    def model_seconds(self) -> float:
+        """Time spent in model forwards (prefill, draft, projection, verify)."""
+        extra = self.draft.busy_seconds if self.draft is not self.verify else 0.0
+        return self.verify.busy_seconds + extra
+
+    def close(self) -> None:
+        for lane in {id(lane): lane for lane in (self.verify, self.draft, self.prefetch)}.values():
+            lane.close()

@@ -1,0 +1,433 @@
+"""The device expert cache: a byte-budgeted slot arena that serves MoE layers their experts in waves.
+
+Owns the arena (gate/up/down slots in the compute dtype on the device), which expert sits in
+which slot, pins, eviction, on-demand and prefetch requests to the lane, and the offload
+stats. Implements the `ExpertProvider` protocol (`waves`) and `resident()` (the speculator's
+fetch_bytes). It must not touch model math (the model) or the file format (HostExpertStore).
+
+Bytes. Budgets, slots and `expert_cache_peak_bytes` are device bytes in the compute dtype
+(what the arena occupies). Fetched, hit, miss, prefetch and waste bytes are byte-map bytes:
+payload bytes as stored in the checkpoint, the same figures `DraftResult.fetch_bytes` and the
+scheduler use, and what the emulated link charges. They differ only when the compute dtype
+differs from the stored one.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+import attrs
+import torch
+
+from pdflash.config import ModelConfig
+from pdflash.experts import ExpertWave
+from pdflash.offload.eviction import make_policy
+from pdflash.offload.host_store import ExpertKey, HostExpert, HostExpertStore
+from pdflash.offload.link import Link
+from pdflash.offload.prefetch import PrefetchLane, Priority
+
+MIN_SLOTS = 2  # one expert being computed while the next one lands
+
+
+class ExpertFetchError(RuntimeError):
+    """An expert a forward needed could not be fetched (names the expert; the cause is chained)."""
+
+
+class EntryState(enum.Enum):
+    LOADING = "loading"  # slot reserved, the lane is (or will be) copying into it
+    READY = "ready"
+    FAILED = "failed"  # the fetch raised; the entry already left the table and gave its slot back
+
+
+@attrs.define(eq=False)
+class _Entry:
+    key: ExpertKey
+    slot: int
+    nbytes: int  # byte-map bytes (as stored)
+    requested_at: float  # perf_counter time the fetch was asked for (the emulated link's queueing)
+    state: EntryState = EntryState.LOADING
+    pins: int = 0  # waves holding it: never evicted while > 0
+    prefetched: bool = False  # brought in by a prefetch and not yet used by a forward
+    claimed: bool = False  # a prefetch wants it kept until a forward next reaches its layer
+    loaded: torch.cuda.Event | None = None  # CUDA: the lane's copy into the slot is done
+    error: Exception | None = None
+
+
+@attrs.define
+class _Counters:
+    fetches: int = 0
+    expert_bytes_fetched: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    evictions: int = 0
+    peak_slots: int = 0
+    exposed_fetch_seconds: float = 0.0
+    prefetch_requests: int = 0
+    prefetch_fetches: int = 0
+    prefetch_bytes: int = 0
+    prefetch_dropped: int = 0
+    prefetch_hits: int = 0
+    prefetch_hit_bytes: int = 0
+    prefetch_waste_bytes: int = 0
+    fetch_errors: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class OffloadStats:
+    """A snapshot of the cache's counters since construction or the last `reset_stats()`."""
+
+    link: str  # "none" | "device" | "emulated"
+    policy: str  # eviction policy name
+    expert_cache_bytes: int  # budget (device bytes, compute dtype)
+    expert_cache_slots: int  # experts the arena holds
+    expert_slot_bytes: int  # device bytes of one expert in the compute dtype
+    expert_cache_peak_bytes: int  # most slots ever occupied (reserved or ready) x slot bytes
+    expert_bytes_fetched: int  # byte-map bytes copied by successful fetches (on demand + prefetch)
+    fetches: int  # successful fetches
+    hits: int  # routed experts a forward found resident or in flight
+    misses: int  # routed experts a forward had to fetch itself
+    hit_bytes: int
+    miss_bytes: int
+    expert_cache_hit_rate: float  # hit_bytes / (hit_bytes + miss_bytes), 0.0 before any need
+    evictions: int
+    exposed_fetch_seconds: float  # time forwards spent waiting for the lane (or for a free slot)
+    prefetch_requests: int  # prefetch keys queued (not resident when asked)
+    prefetch_fetches: int  # of those, fetched
+    prefetch_bytes: int  # byte-map bytes fetched by prefetches
+    prefetch_dropped: int  # no slot could be freed for them without evicting pinned or claimed experts
+    prefetch_coverage: float  # bytes: first uses of prefetched experts / (those + misses)
+    prefetch_waste_bytes: int  # prefetched bytes evicted before any forward used them
+    fetch_errors: int
+
+    def as_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+class OffloadedExperts:
+    """An ExpertProvider over a host store and a byte-budgeted device arena, fed by a prefetch lane."""
+
+    def __init__(
+        self,
+        store: HostExpertStore,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        expert_cache_bytes: int | None = None,
+        expert_cache_fraction: float | None = None,
+        policy: str = "activation",
+        link_gbps: float | None = None,
+        link_latency_s: float = 0.0,
+    ) -> None:
+        self.store = store
+        self.device = torch.device(device)
+        self.num_experts = config.num_experts
+        I, H = config.moe_intermediate_size, config.hidden_size
+        self.slot_bytes = 3 * I * H * dtype.itemsize
+        self.budget_bytes = _budget_bytes(expert_cache_bytes, expert_cache_fraction, len(store.keys) * self.slot_bytes)
+        self.num_slots = min(self.budget_bytes // self.slot_bytes, len(store.keys))
+        if self.num_slots < MIN_SLOTS:
+            raise ValueError(
+                f"expert cache budget of {self.budget_bytes} bytes holds {self.num_slots} expert(s) of "
+                f"{self.slot_bytes} bytes ({dtype}); the minimum is {MIN_SLOTS} experts = "
+                f"{MIN_SLOTS * self.slot_bytes} bytes"
+            )
+        self.policy = make_policy(policy)
+        self.link = Link.for_device(self.device, gbps=link_gbps, latency_s=link_latency_s)
+        S = self.num_slots
+        self.gate = torch.empty((S, I, H), dtype=dtype, device=self.device)  # [S, I, H]
+        self.up = torch.empty((S, I, H), dtype=dtype, device=self.device)  # [S, I, H]
+        self.down = torch.empty((S, H, I), dtype=dtype, device=self.device)  # [S, H, I]
+        self._cond = threading.Condition()  # guards everything below, the policy and the counters
+        self._table: dict[ExpertKey, _Entry] = {}
+        self._free = list(range(S - 1, -1, -1))
+        self._claimed: dict[int, set[ExpertKey]] = {}  # layer -> claimed keys
+        self._readers: dict[int, list[torch.cuda.Event]] = {}  # CUDA: slot -> compute done with it
+        self._counters = _Counters()
+        self._closed = False
+        self.lane = PrefetchLane(self.device)
+
+    # -- the ExpertProvider protocol ---------------------------------------------------------
+    def waves(self, layer: int, union: list[int]) -> Iterator[ExpertWave]:
+        """Waves covering `union`: what is resident first, the rest as the lane lands it and slots free up."""
+        pending = list(dict.fromkeys(union))
+        held: list[_Entry] = []  # pinned by this call, not yet computed
+        with self._cond:
+            self.policy.observe(layer, pending)
+            for key in self._claimed.pop(layer, ()):
+                if key in self._table:
+                    self._table[key].claimed = False
+        try:
+            while pending or held:
+                wave = self._next_wave(layer, pending, held)
+                if self.device.type == "cuda":
+                    stream = torch.cuda.current_stream(self.device)
+                    for entry in wave:
+                        stream.wait_event(entry.loaded)
+                yield self._as_wave(wave)
+                with self._cond:
+                    self._unpin(wave)
+                held = [e for e in held if e not in wave]
+        finally:
+            with self._cond:
+                self._unpin(held)
+
+    def resident(self) -> frozenset[ExpertKey]:
+        """Keys resident in the arena or being copied into it now (queued prefetches excluded)."""
+        with self._cond:
+            return frozenset(self._table)
+
+    # -- prefetch ------------------------------------------------------------------------------
+    def prefetch(self, union: Iterable[ExpertKey], priority: Priority = Priority.ROUTE_AHEAD) -> int:
+        """Queue fetches of the keys of `union` not resident, earliest layer first; returns how many.
+
+        Resident keys of `union`, and those the lane brings in, are claimed: no prefetch evicts
+        them until a forward reaches their layer (a forward's own misses still may).
+        """
+        if priority is Priority.ON_DEMAND:
+            raise ValueError("prefetch priority must be ROUTE_AHEAD or BACKGROUND; ON_DEMAND is a forward's own")
+        keys = sorted(set(union))
+        unknown = [k for k in keys if k not in self.store]
+        if unknown:
+            raise ValueError(
+                f"prefetch of unknown experts {unknown[:5]}; keys are (MoE layer, expert < {self.num_experts})"
+            )
+        queued, requested_at = 0, time.perf_counter()
+        with self._cond:
+            for key in keys:
+                if key in self._table:
+                    self._claim(self._table[key])
+                else:
+                    self.lane.submit(priority, lambda key=key: self._prefetch_job(key, requested_at))
+                    queued += 1
+            self._counters.prefetch_requests += queued
+        return queued
+
+    # -- stats ---------------------------------------------------------------------------------
+    def snapshot(self) -> OffloadStats:
+        with self._cond:
+            c = self._counters
+            return OffloadStats(
+                link=self.link.label, policy=self.policy.name, expert_cache_bytes=self.budget_bytes,
+                expert_cache_slots=self.num_slots, expert_slot_bytes=self.slot_bytes,
+                expert_cache_peak_bytes=c.peak_slots * self.slot_bytes,
+                expert_bytes_fetched=c.expert_bytes_fetched, fetches=c.fetches, hits=c.hits, misses=c.misses,
+                hit_bytes=c.hit_bytes, miss_bytes=c.miss_bytes,
+                expert_cache_hit_rate=_ratio(c.hit_bytes, c.hit_bytes + c.miss_bytes),
+                evictions=c.evictions, exposed_fetch_seconds=c.exposed_fetch_seconds,
+                prefetch_requests=c.prefetch_requests, prefetch_fetches=c.prefetch_fetches,
+                prefetch_bytes=c.prefetch_bytes, prefetch_dropped=c.prefetch_dropped,
+                prefetch_coverage=_ratio(c.prefetch_hit_bytes, c.prefetch_hit_bytes + c.miss_bytes),
+                prefetch_waste_bytes=c.prefetch_waste_bytes, fetch_errors=c.fetch_errors,
+            )
+
+    def stats(self) -> dict:
+        return self.snapshot().as_dict()
+
+    def reset_stats(self) -> None:
+        """Zero the counters; the peak restarts from what is occupied now."""
+        with self._cond:
+            self._counters = _Counters(peak_slots=self.num_slots - len(self._free))
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the lane; queued fetches are dropped and forwards waiting on them fail."""
+        with self._cond:
+            self._closed = True
+        self.lane.close()
+        with self._cond:
+            for entry in [e for e in self._table.values() if e.state is EntryState.LOADING]:
+                self._fail(entry, RuntimeError("the offloaded expert provider was closed"))
+
+    def __enter__(self) -> "OffloadedExperts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- forward side (called by waves) --------------------------------------------------------
+    def _next_wave(self, layer: int, pending: list[int], held: list[_Entry]) -> list[_Entry]:
+        """Pin what is resident, reserve slots for what fits, and wait until some of `held` is ready."""
+        with self._cond:
+            self._acquire(layer, pending, held)
+            started = time.perf_counter()
+            while True:
+                failed = next((e for e in held if e.state is EntryState.FAILED), None)
+                if failed is not None:
+                    raise ExpertFetchError(
+                        f"this forward needs expert (layer {failed.key[0]}, expert {failed.key[1]}), and fetching it "
+                        f"failed: {failed.error}"
+                    ) from failed.error
+                ready = [e for e in held if e.state is EntryState.READY]
+                if ready:
+                    break
+                if self._closed:
+                    raise RuntimeError("the offloaded expert provider is closed")
+                self._cond.wait()
+                if not held:  # every slot was pinned by other forwards: try again now one was released
+                    self._acquire(layer, pending, held)
+            self._counters.exposed_fetch_seconds += time.perf_counter() - started
+            return ready
+
+    def _acquire(self, layer: int, pending: list[int], held: list[_Entry]) -> None:
+        missing = []
+        for expert in pending:
+            entry = self._table.get((layer, expert))
+            if entry is None:
+                missing.append(expert)
+                continue
+            entry.pins += 1
+            self._counters.hits += 1
+            self._counters.hit_bytes += entry.nbytes
+            if entry.prefetched:
+                entry.prefetched = False
+                self._counters.prefetch_hits += 1
+                self._counters.prefetch_hit_bytes += entry.nbytes
+            held.append(entry)
+        reserved: list[_Entry] = []
+        requested_at = time.perf_counter()
+        for expert in missing:
+            slot = None if self._closed else self._take_slot(allow_claimed=True)
+            if slot is None:
+                break
+            key = (layer, expert)
+            entry = _Entry(key=key, slot=slot, nbytes=self.store.nbytes(key), requested_at=requested_at, pins=1)
+            self._table[key] = entry
+            self._counters.misses += 1
+            self._counters.miss_bytes += entry.nbytes
+            reserved.append(entry)
+        if reserved:  # one lane job per wave of misses: each lands (and is usable) on its own
+            self.lane.submit(Priority.ON_DEMAND, lambda: self._load_all(reserved))
+        held += reserved
+        pending[:] = missing[len(reserved):]
+
+    def _unpin(self, entries: list[_Entry]) -> None:
+        for entry in entries:
+            entry.pins -= 1
+            if self.device.type == "cuda" and entry.state is EntryState.READY:
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+                self._readers.setdefault(entry.slot, []).append(done)
+        self._cond.notify_all()
+
+    def _as_wave(self, entries: list[_Entry]) -> ExpertWave:
+        slot_of_expert = torch.full((self.num_experts,), -1, dtype=torch.int64)  # [E]
+        slot_of_expert[[e.key[1] for e in entries]] = torch.tensor([e.slot for e in entries])
+        return ExpertWave(slot_of_expert=slot_of_expert.to(self.device), gate=self.gate, up=self.up, down=self.down)
+
+    # -- slots (under the lock) ----------------------------------------------------------------
+    def _take_slot(self, *, allow_claimed: bool) -> int | None:
+        """A free slot, else one freed by evicting the policy's choice among unpinned ready experts."""
+        if not self._free:
+            candidates = [
+                e for e in self._table.values()
+                if e.state is EntryState.READY and e.pins == 0 and (allow_claimed or not e.claimed)
+            ]
+            if not candidates:
+                return None
+            victim = min(candidates, key=lambda e: (e.claimed, self.policy.score(e.key)))
+            self._forget(victim)
+            self._counters.evictions += 1
+            if victim.prefetched:
+                self._counters.prefetch_waste_bytes += victim.nbytes
+        slot = self._free.pop()
+        self._counters.peak_slots = max(self._counters.peak_slots, self.num_slots - len(self._free))
+        return slot
+
+    def _forget(self, entry: _Entry) -> None:
+        del self._table[entry.key]
+        self._claimed.get(entry.key[0], set()).discard(entry.key)
+        self.policy.forget(entry.key)
+        self._free.append(entry.slot)
+
+    def _claim(self, entry: _Entry) -> None:
+        entry.claimed = True
+        self._claimed.setdefault(entry.key[0], set()).add(entry.key)
+
+    def _fail(self, entry: _Entry, error: Exception) -> None:
+        entry.state, entry.error = EntryState.FAILED, error
+        self._forget(entry)
+        self._counters.fetch_errors += 1
+        self._cond.notify_all()
+
+    # -- lane side (runs on the prefetch lane's thread) ----------------------------------------
+    def _prefetch_job(self, key: ExpertKey, requested_at: float) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            if key in self._table:
+                self._claim(self._table[key])
+                return
+            slot = self._take_slot(allow_claimed=False)
+            if slot is None:
+                self._counters.prefetch_dropped += 1
+                return
+            entry = _Entry(
+                key=key, slot=slot, nbytes=self.store.nbytes(key), requested_at=requested_at, prefetched=True
+            )
+            self._table[key] = entry
+            self._claim(entry)
+        if self._load(entry):
+            with self._cond:
+                self._counters.prefetch_fetches += 1
+                self._counters.prefetch_bytes += entry.nbytes
+
+    def _load_all(self, entries: list[_Entry]) -> None:
+        for entry in entries:
+            self._load(entry)
+
+    def _load(self, entry: _Entry) -> bool:
+        """Copy `entry`'s expert into its slot over the link; on failure free the slot and report it."""
+        try:
+            host = self.store.expert(entry.key)
+            self._copy(entry, host)
+            self.link.transfer(host.nbytes, requested_at=entry.requested_at)
+        except Exception as exc:
+            with self._cond:
+                self._fail(entry, exc)
+            return False
+        with self._cond:
+            entry.state = EntryState.READY
+            self._counters.fetches += 1
+            self._counters.expert_bytes_fetched += entry.nbytes
+            self._cond.notify_all()
+        return True
+
+    def _copy(self, entry: _Entry, host: HostExpert) -> None:
+        slot = entry.slot
+        if self.device.type == "cuda":
+            with self._cond:
+                readers = self._readers.pop(slot, [])
+            lane_stream = torch.cuda.current_stream(self.device)
+            for done in readers:  # forwards that computed on the slot's previous expert
+                lane_stream.wait_event(done)
+        self.gate[slot].copy_(host.gate, non_blocking=True)
+        self.up[slot].copy_(host.up, non_blocking=True)
+        self.down[slot].copy_(host.down, non_blocking=True)
+        if self.device.type == "cuda":
+            entry.loaded = torch.cuda.Event()
+            entry.loaded.record(torch.cuda.current_stream(self.device))
+
+
+def _budget_bytes(expert_cache_bytes: int | None, expert_cache_fraction: float | None, all_expert_bytes: int) -> int:
+    if (expert_cache_bytes is None) == (expert_cache_fraction is None):
+        raise ValueError(
+            f"give exactly one of expert_cache_bytes or expert_cache_fraction; got "
+            f"expert_cache_bytes={expert_cache_bytes}, expert_cache_fraction={expert_cache_fraction}"
+        )
+    if expert_cache_fraction is not None:
+        if not 0.0 < expert_cache_fraction <= 1.0:
+            raise ValueError(f"expert_cache_fraction must be in (0, 1], got {expert_cache_fraction}")
+        return int(expert_cache_fraction * all_expert_bytes)
+    if expert_cache_bytes < 0:
+        raise ValueError(f"expert_cache_bytes must be >= 0, got {expert_cache_bytes}")
+    return int(expert_cache_bytes)
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0

@@ -1,0 +1,128 @@
+"""The host tier: every expert's weights as zero-copy views of the memory-mapped safetensors files.
+
+Owns reading expert tensors from disk (the safetensors header is parsed here: an 8-byte
+little-endian length, then JSON with dtype, shape and data_offsets per tensor; each tensor
+is `torch.frombuffer` over a private mmap of its file, so nothing is read until a fetch
+touches it), optional pinned host copies for asynchronous copies on CUDA, and the check
+that an expert's bytes are finite before they reach the device. It must not know about
+slots, budgets or eviction.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+import threading
+import warnings
+from pathlib import Path
+
+import attrs
+import torch
+
+from pdflash.checkpoint import EXPERT_PROJECTIONS, Checkpoint, expert_shapes, expert_tensor_name
+from pdflash.config import ModelConfig
+from pdflash.errors import CheckpointError
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+
+@attrs.frozen(kw_only=True)
+class HostExpert:
+    """One expert's weights on the host, in the dtype stored in the checkpoint."""
+
+    gate: torch.Tensor  # [I, H]
+    up: torch.Tensor  # [I, H]
+    down: torch.Tensor  # [H, I]
+    nbytes: int  # payload bytes as stored (the byte map's entry)
+
+
+class HostExpertStore:
+    """Expert weights of one checkpoint, by (layer, expert), memory-mapped (and pinned on request)."""
+
+    def __init__(self, checkpoint: Checkpoint, config: ModelConfig, *, pin: bool = False) -> None:
+        self.checkpoint = checkpoint
+        self.shapes = expert_shapes(config)
+        self.keys = [(layer, e) for layer in config.moe_layer_ids for e in range(config.num_experts)]
+        self._maps: dict[Path, tuple[mmap.mmap, int, dict]] = {}  # file -> (map, data start, header)
+        self._experts = {key: self._map_expert(key) for key in self.keys}
+        self._verified: set[ExpertKey] = set()
+        self._verify_lock = threading.Lock()
+        self.pinned = self._pin_all() if pin else 0  # experts held in pinned host memory
+
+    def expert(self, key: ExpertKey) -> HostExpert:
+        """The weights of `key`, checked finite on first use (CheckpointError names file and tensor)."""
+        expert = self._experts.get(key)
+        if expert is None:
+            raise KeyError(f"expert {key} is not in this checkpoint (MoE layers x experts: {len(self.keys)} keys)")
+        with self._verify_lock:
+            if key not in self._verified:
+                for proj, tensor in zip(EXPERT_PROJECTIONS, (expert.gate, expert.up, expert.down)):
+                    if not torch.isfinite(tensor).all():
+                        name = expert_tensor_name(*key, proj)
+                        raise CheckpointError(
+                            f"{self.checkpoint.tensors[name].file}: tensor {name!r} contains NaN or infinite values"
+                        )
+                self._verified.add(key)
+        return expert
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._experts
+
+    def nbytes(self, key: ExpertKey) -> int:
+        return self._experts[key].nbytes
+
+    def _map_expert(self, key: ExpertKey) -> HostExpert:
+        tensors = []
+        for proj in EXPERT_PROJECTIONS:
+            name = expert_tensor_name(*key, proj)
+            info = self.checkpoint.info(name, self.shapes[proj])
+            tensors.append(self._view(info.file, name, info.dtype, info.shape))
+        return HostExpert(gate=tensors[0], up=tensors[1], down=tensors[2], nbytes=sum(t.nbytes for t in tensors))
+
+    def _view(self, file: Path, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if file not in self._maps:
+            self._maps[file] = _map_file(file)
+        mapped, data_start, header = self._maps[file]
+        start, end = (data_start + offset for offset in header[name]["data_offsets"])
+        nbytes = dtype.itemsize * torch.Size(shape).numel()
+        if end - start != nbytes or end > len(mapped):
+            raise CheckpointError(
+                f"{file}: tensor {name!r} spans bytes [{start}, {end}) of a {len(mapped)}-byte file, "
+                f"but {dtype} {list(shape)} needs {nbytes} bytes inside it"
+            )
+        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=start)  # [nbytes] zero-copy
+        if start % dtype.itemsize:
+            raw = raw.clone()  # misaligned for its dtype: an aligned private copy
+        return raw.view(dtype).view(shape)
+
+    def _pin_all(self) -> int:
+        """Copy experts into pinned host memory; on failure keep the rest memory-mapped and warn."""
+        pinned = 0
+        for key in self.keys:
+            expert = self._experts[key]
+            try:
+                copies = [t.pin_memory() for t in (expert.gate, expert.up, expert.down)]
+            except RuntimeError as exc:
+                warnings.warn(
+                    f"pinning host memory failed after {pinned} of {len(self.keys)} experts ({exc}); "
+                    f"the rest are copied from pageable memory-mapped pages (synchronous, slower)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                break
+            self._experts[key] = attrs.evolve(expert, gate=copies[0], up=copies[1], down=copies[2])
+            pinned += 1
+        return pinned
+
+
+def _map_file(file: Path) -> tuple[mmap.mmap, int, dict]:
+    """A private (copy-on-write) map of a safetensors file, its data start and its parsed header."""
+    try:
+        with open(file, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(header_len))
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, struct.error, ValueError) as exc:
+        raise CheckpointError(f"{file}: cannot map safetensors file ({exc})") from exc
+    return mapped, 8 + header_len, header

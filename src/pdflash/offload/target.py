@@ -1,0 +1,35 @@
+"""Loading a target whose experts stay in the host store: the offloaded counterpart of `load_target`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdflash.checkpoint import Checkpoint
+from pdflash.config import ModelConfig
+from pdflash.loader import LoadedTarget, load_target, resolve_dtype
+from pdflash.offload.device_cache import OffloadedExperts
+from pdflash.offload.host_store import HostExpertStore
+
+
+def load_offloaded_target(
+    directory: Path | str,
+    *,
+    dtype: str | None = None,
+    device: str | torch.device = "cpu",
+    pin_host: bool | None = None,
+    progress: bool = False,
+    **cache: object,
+) -> LoadedTarget:
+    """Non-expert weights resident, experts served by an `OffloadedExperts` (at `.model.experts`).
+
+    `cache` are `OffloadedExperts` keywords (expert_cache_bytes or expert_cache_fraction,
+    policy, link_gbps, link_latency_s). `pin_host` defaults to pinning on CUDA only.
+    """
+    directory = Path(directory)
+    device = torch.device(device)
+    config = ModelConfig.from_file(directory / "config.json")
+    store = HostExpertStore(Checkpoint(directory), config, pin=device.type == "cuda" if pin_host is None else pin_host)
+    experts = OffloadedExperts(store, config, dtype=resolve_dtype(dtype, device), device=device, **cache)
+    return load_target(directory, dtype=dtype, device=device, experts=experts, progress=progress)

@@ -1,0 +1,204 @@
+"""One request inside the engine: its lifecycle state machine, its session and its counters.
+
+Owns the lifecycle (one shared `transitions.Machine`, triggers for lifecycle edges only),
+what a sequence has streamed, and the snapshot that lets a failed batched round be retried
+one sequence at a time. Must not touch scheduling or model work: the engine decides when
+a trigger fires and runs the rounds.
+
+    WAITING -schedule-> PREFILL -prefilled-> DRAFT -drafted-> VERIFY -verified-> DRAFT ...
+    PREFILL | VERIFY -finish-> FINISHED;  any live state -abort-> ABORTED | -fail-> FAILED
+
+Without a drafter the machine is the same: DRAFT makes a block of one token (the anchor,
+no drafter forward) and VERIFY decodes it, so plain decoding is speculation with B = 1.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+
+import anyio
+import attrs
+import torch
+from transitions import Machine
+
+from pdflash.outputs import OutputMailbox, RequestMetrics, RequestOutput, TextStream
+from pdflash.projection import ExpertKey
+from pdflash.sampling import SamplingParams
+from pdflash.scheduler import Ticket
+from pdflash.speculator import SpecSession
+
+
+class SequenceState(enum.Enum):
+    WAITING = "waiting"  # queued, no KV yet
+    PREFILL = "prefill"  # its prompt is being prefilled
+    DRAFT = "draft"  # needs a drafted block for its next round
+    VERIFY = "verify"  # its block awaits admission or is being verified
+    FINISHED = "finished"
+    ABORTED = "aborted"  # the client cancelled or went away
+    FAILED = "failed"  # an error confined to this sequence
+
+
+S = SequenceState
+LIVE_STATES = frozenset({S.WAITING, S.PREFILL, S.DRAFT, S.VERIFY})
+
+
+class _SkipBindingFilter(logging.Filter):
+    """Drops the per-name warning `model_override=True` logs for helpers we do not declare."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skip binding of" not in record.msg
+
+
+logging.getLogger("transitions.core").addFilter(_SkipBindingFilter())
+
+# One machine for every sequence: add_model on creation, remove_model on exit.
+# model_override=True binds only the triggers Sequence declares (typed stubs below).
+LIFECYCLE = Machine(
+    model=None,
+    states=SequenceState,
+    initial=S.WAITING,
+    transitions=[
+        {"trigger": "schedule", "source": S.WAITING, "dest": S.PREFILL},
+        {"trigger": "prefilled", "source": S.PREFILL, "dest": S.DRAFT},
+        {"trigger": "drafted", "source": S.DRAFT, "dest": S.VERIFY},
+        {"trigger": "verified", "source": S.VERIFY, "dest": S.DRAFT},
+        {"trigger": "finish", "source": [S.PREFILL, S.VERIFY], "dest": S.FINISHED, "after": "_leave_lifecycle"},
+        {"trigger": "abort", "source": list(LIVE_STATES), "dest": S.ABORTED, "after": "_leave_lifecycle"},
+        {"trigger": "fail", "source": list(LIVE_STATES), "dest": S.FAILED, "after": "_leave_lifecycle"},
+    ],
+    auto_transitions=False,
+    ignore_invalid_triggers=False,
+    model_override=True,
+)
+
+
+@attrs.define(slots=False, eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    text: TextStream
+    mailbox: OutputMailbox = attrs.Factory(OutputMailbox)
+    arrival: float = attrs.Factory(time.perf_counter)  # seconds (perf_counter)
+    session: SpecSession | None = None  # set by prefill; released on exit
+    state: SequenceState = attrs.field(init=False, default=S.WAITING)  # owned by LIFECYCLE
+    # hot counters: plain attributes, never triggers
+    streamed: int = 0  # tokens streamed to the client
+    acceptance_lengths: list[int] = attrs.Factory(list)  # per verify round
+    expert_bytes: int = 0  # Σ projected union bytes over its verifies
+    fetch_bytes: int = 0  # Σ non-resident part of those
+    first_token_at: float | None = None
+    drafted_at: float = 0.0  # when its pending demand was registered
+    admission_wait_seconds: float = 0.0
+    ticket: Ticket | None = None  # admission ticket of its pending verify demand
+    pinned: frozenset[ExpertKey] = frozenset()  # route-ahead union held for its admitted verify
+    busy: bool = False  # inside a lane call: the session must not be released yet
+    released: anyio.Event = attrs.Factory(anyio.Event)  # KV, demand and pins given back
+
+    def __attrs_post_init__(self) -> None:
+        LIFECYCLE.add_model(self)
+
+    # triggers: bound per instance by LIFECYCLE; an illegal one raises MachineError
+    def schedule(self) -> bool: raise NotImplementedError  # noqa: E704
+    def prefilled(self) -> bool: raise NotImplementedError  # noqa: E704
+    def drafted(self) -> bool: raise NotImplementedError  # noqa: E704
+    def verified(self) -> bool: raise NotImplementedError  # noqa: E704
+    def finish(self) -> bool: raise NotImplementedError  # noqa: E704
+    def abort(self) -> bool: raise NotImplementedError  # noqa: E704
+    def fail(self) -> bool: raise NotImplementedError  # noqa: E704
+
+    def _leave_lifecycle(self) -> None:
+        LIFECYCLE.remove_model(self)
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    @property
+    def kv_bytes(self) -> int:
+        """Target + drafter KV cache bytes its session holds."""
+        if self.session is None:
+            return 0
+        draft = self.session.draft_cache
+        return self.session.target_cache.nbytes + (draft.nbytes if draft is not None else 0)
+
+    def stream(self, token_ids: list[int], finish_reason: str | None) -> str | None:
+        """Send new tokens (cut after one that completes a stop string); return the finish reason, if any."""
+        kept = []
+        for token in token_ids:
+            kept.append(token)
+            if self.text.push(token):
+                finish_reason = "stop"
+                break
+        if kept and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.streamed += len(kept)
+        self._put(tuple(kept), finish_reason)
+        return finish_reason
+
+    def close_stream(self, finish_reason: str) -> None:
+        """Send the last delta of a sequence that ends without new tokens (an abort)."""
+        self._put((), finish_reason)
+
+    def _put(self, token_ids: tuple[int, ...], finish_reason: str | None) -> None:
+        final = finish_reason is not None
+        self.mailbox.put(RequestOutput(
+            request_id=self.request_id, token_ids=token_ids, text=self.text.take(final), finished=final,
+            finish_reason=finish_reason, metrics=self.metrics(final),
+        ))
+
+    def metrics(self, final: bool = False) -> RequestMetrics:
+        return RequestMetrics(
+            prompt_tokens=len(self.prompt_ids),
+            generated_tokens=self.streamed,
+            acceptance_lengths=tuple(self.acceptance_lengths),
+            ttft_seconds=None if self.first_token_at is None else self.first_token_at - self.arrival,
+            expert_bytes=self.expert_bytes,
+            fetch_bytes=self.fetch_bytes,
+            admission_wait_seconds=self.admission_wait_seconds,
+            session_stats=self.session.stats() if final and self.session is not None else None,
+        )
+
+
+_SESSION_FIELDS = ("anchor", "start", "context", "pending", "last_union", "finish_reason",
+                   "projection_seconds", "verify_seconds")
+
+
+@attrs.frozen(kw_only=True)
+class RoundSnapshot:
+    """What a draft or verify round may change in a session, captured before a batched call.
+
+    A batch that raises leaves its sessions partly advanced (caches written, some accepted);
+    restoring every session lets each be retried alone, which is how the culprit is found.
+    """
+
+    fields: dict  # session attribute -> value before the round
+    emitted: int  # len(session.emitted)
+    rounds: int  # len(session.trace)
+    target_length: int  # tokens in the target KV cache
+    draft_length: int | None  # tokens in the drafter KV cache (None without a drafter)
+    generator_state: torch.Tensor | None  # sampling RNG state (None when greedy)
+
+    @classmethod
+    def capture(cls, s: SpecSession) -> RoundSnapshot:
+        return cls(
+            fields={name: getattr(s, name) for name in _SESSION_FIELDS},
+            emitted=len(s.emitted),
+            rounds=len(s.trace),
+            target_length=s.target_cache.length,
+            draft_length=None if s.draft_cache is None else s.draft_cache.length,
+            generator_state=None if s.generator is None else s.generator.get_state(),
+        )
+
+    def restore(self, s: SpecSession) -> None:
+        for name, value in self.fields.items():
+            setattr(s, name, value)
+        del s.emitted[self.emitted :]
+        del s.trace[self.rounds :]
+        s.target_cache.crop(self.target_length)
+        if s.draft_cache is not None:
+            s.draft_cache.crop(self.draft_length)
+        if s.generator is not None:
+            s.generator.set_state(self.generator_state)
