@@ -15,7 +15,6 @@ no drafter forward) and VERIFY decodes it, so plain decoding is speculation with
 from __future__ import annotations
 
 import enum
-import logging
 import time
 
 import anyio
@@ -44,17 +43,8 @@ S = SequenceState
 LIVE_STATES = frozenset({S.WAITING, S.PREFILL, S.DRAFT, S.VERIFY})
 
 
-class _SkipBindingFilter(logging.Filter):
-    """Drops the per-name warning `model_override=True` logs for helpers we do not declare."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Skip binding of" not in record.msg
-
-
-logging.getLogger("transitions.core").addFilter(_SkipBindingFilter())
-
-# One machine for every sequence: add_model on creation, remove_model on exit.
-# model_override=True binds only the triggers Sequence declares (typed stubs below).
+# One machine for every sequence: add_model on creation (it binds the triggers schedule,
+# prefilled, drafted, verified, finish, abort and fail onto the instance), remove_model on exit.
 LIFECYCLE = Machine(
     model=None,
     states=SequenceState,
@@ -70,7 +60,6 @@ LIFECYCLE = Machine(
     ],
     auto_transitions=False,
     ignore_invalid_triggers=False,
-    model_override=True,
 )
 
 
@@ -99,15 +88,6 @@ class Sequence:
 
     def __attrs_post_init__(self) -> None:
         LIFECYCLE.add_model(self)
-
-    # triggers: bound per instance by LIFECYCLE; an illegal one raises MachineError
-    def schedule(self) -> bool: raise NotImplementedError  # noqa: E704
-    def prefilled(self) -> bool: raise NotImplementedError  # noqa: E704
-    def drafted(self) -> bool: raise NotImplementedError  # noqa: E704
-    def verified(self) -> bool: raise NotImplementedError  # noqa: E704
-    def finish(self) -> bool: raise NotImplementedError  # noqa: E704
-    def abort(self) -> bool: raise NotImplementedError  # noqa: E704
-    def fail(self) -> bool: raise NotImplementedError  # noqa: E704
 
     def _leave_lifecycle(self) -> None:
         LIFECYCLE.remove_model(self)
