@@ -115,6 +115,34 @@ async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo:
     }
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from pdflash.loader import load_target
+    from pdflash.train import DrafterTrainer, TrainSettings, build_training_data, text_prompts
+
+    try:
+        settings = TrainSettings(
+            num_layers=args.layers, block_size=args.block_size, steps=args.steps, minutes=args.minutes,
+            batch_sequences=args.batch, lr=args.lr, seed=args.seed,
+        )
+        target = load_target(args.target, progress=True)
+        if target.tokenizer is None:
+            raise ValueError(f"{args.target} has no tokenizer.json; the trainer reads text data")
+        trainer = DrafterTrainer(target, settings)
+        window = args.prompt_tokens + (0 if args.generate else args.response_tokens)
+        prompts = text_prompts(target.tokenizer, args.data, count=args.sequences, length=window, seed=args.seed)
+        data = build_training_data(target, prompts, response_tokens=args.response_tokens,
+                                   tap_layers=trainer.config.tap_layers, generate=args.generate, progress=True)
+        result = trainer.train(data, progress=True)
+    except ValueError as exc:
+        print(f"pdflash: {exc}", file=sys.stderr)
+        return 2
+    out = trainer.save(args.out)
+    tail = result.losses[-min(50, result.steps):]
+    print(f"wrote {out}: {result.steps} steps in {result.seconds:.0f} s, "
+          f"loss {result.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)} steps)")
+    return 0
+
+
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from pdflash.tiny import write_tiny_target
 
@@ -168,6 +196,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help='print one JSON object {"token_ids", "text", "acceptance_lengths", "stats"}')
     gen.set_defaults(func=cmd_generate)
+
+    train = sub.add_parser(
+        "train-drafter", help="train a DFlash drafter for a target (writes the published DFlash layout)",
+        description="Train a DFlash drafter against a frozen target: the target continues text windows from "
+                    "--data greedily, its tap hidden states condition the drafter, and blocks at random anchors "
+                    "learn to predict the continuation (position-weighted cross-entropy, AdamW, cosine schedule).")
+    train.add_argument("--target", type=Path, required=True, help="Qwen3-MoE target directory (with tokenizer.json)")
+    train.add_argument("--data", type=Path, nargs="+", required=True, help="text files to draw prompts from")
+    train.add_argument("--out", type=Path, required=True, help="directory to write the drafter checkpoint to")
+    train.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default 1)")
+    train.add_argument("--block-size", type=int, default=8, help="tokens per drafted block (default 8)")
+    budget = train.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
+    budget.add_argument("--minutes", type=float, default=None, help="train for this long instead of a step count")
+    train.add_argument("--sequences", type=int, default=512, help="training sequences (default 512)")
+    train.add_argument("--prompt-tokens", type=int, default=64, help="prompt window per sequence (default 64)")
+    train.add_argument("--response-tokens", type=int, default=128, help="continuation per sequence (default 128)")
+    train.add_argument("--no-generate", dest="generate", action="store_false",
+                       help="train on the given text itself instead of the target's own continuations")
+    train.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(func=cmd_train_drafter)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen3-MoE checkpoint (for tests and trials)")
     tiny.add_argument("out", help="directory to write")
