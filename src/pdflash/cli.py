@@ -1,4 +1,4 @@
-"""The `pdflash` command line: generate, make-tiny."""
+"""The `pdflash` command line: generate, serve, train-drafter, make-tiny."""
 
 from __future__ import annotations
 
@@ -143,11 +143,114 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdflash.engine import VERIFY_BUDGETS, AsyncEngine
+    from pdflash.server import ServerSettings, create_app
+
+    if args.target is None:
+        args.target = default_target()
+        args.drafter = args.drafter or default_drafter(args.target)
+    budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
+    offload = None
+    if args.expert_cache_bytes is not None or args.expert_cache_fraction is not None:
+        offload = {"expert_cache_bytes": args.expert_cache_bytes, "expert_cache_fraction": args.expert_cache_fraction,
+                   "policy": args.eviction, "link_gbps": args.emulate_link_gbps}
+    elif args.emulate_link_gbps is not None:
+        print("pdflash: --emulate-link-gbps needs --expert-cache-bytes or --expert-cache-fraction "
+              "(without offloading no expert crosses a link)", file=sys.stderr)
+        return 2
+    try:
+        settings = ServerSettings(model_name=args.served_model_name or Path(args.target).name,
+                                  default_max_tokens=args.default_max_tokens, stats_interval_s=args.stats_interval,
+                                  max_ws_generations=args.max_ws_generations)
+        engine = AsyncEngine.from_pretrained(
+            args.target, None if args.no_spec else args.drafter, block_size=args.block_size,
+            projector=args.projector, dtype=args.dtype, device=args.device, progress=True,
+            max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting, offload=offload, **budgets,
+        )
+    except ValueError as exc:
+        print(f"pdflash: {exc}", file=sys.stderr)
+        return 2
+    spec = "autoregressive" if engine.speculator.drafter is None else f"DFlash, block {engine.speculator.block_size}"
+    print(f"pdflash: serving {settings.model_name!r} ({spec}) on http://{args.host}:{args.port} "
+          f"(demo page at /, OpenAI API under /v1, websocket at /ws, metrics at /metrics)", file=sys.stderr)
+    uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    return 0
+
+
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from pdflash.tiny import write_tiny_target
 
     print(write_tiny_target(Path(args.out), seed=args.seed))
     return 0
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=Path, help="Hugging Face Qwen3-MoE directory (default: the built-in model)")
+    p.add_argument("--drafter", type=Path,
+                   help="DFlash drafter directory (default: the built-in model's; without one, decode autoregressively)")
+    p.add_argument("--no-spec", action="store_true", help="decode autoregressively even when a drafter is given")
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--projector", default="router", choices=["router", "last-union", "exact"],
+                   help="route projection of each drafted block (default router)")
+
+
+def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default float32 on CPU, bfloat16 on a GPU that supports it)")
+
+
+def _add_budget_and_offload_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify-token-budget", type=int, default=None,
+                   help="verify admission: tokens per tick (give all four budgets or none; none = token-only)")
+    p.add_argument("--verify-byte-budget", type=int, default=None,
+                   help="verify admission: expert bytes per tick")
+    p.add_argument("--verify-token-cap", type=int, default=None,
+                   help="verify admission: tokens carried at most (>= one block)")
+    p.add_argument("--verify-byte-cap", type=int, default=None,
+                   help="verify admission: expert bytes carried at most (>= one block's largest union)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--expert-cache-bytes", type=int, default=None,
+                       help="offload experts to the host store behind a device cache of this many bytes")
+    cache.add_argument("--expert-cache-fraction", type=float, default=None,
+                       help="offload experts behind a device cache holding this fraction of all expert bytes")
+    p.add_argument("--eviction", default="activation", choices=["lru", "lfu", "activation"],
+                   help="expert cache eviction policy (default activation: recency-weighted routing history)")
+    p.add_argument("--emulate-link-gbps", type=float, default=None,
+                   help="emulate a host-to-device link of this bandwidth (GB/s) on machines without a GPU")
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API, the websocket stream and the demo page",
+        description="Serve a model over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions "
+                    "(SSE streaming), /v1/models, /health, /metrics (Prometheus), the websocket /ws and the "
+                    "demo page at /. Stop with Ctrl+C.")
+    _add_model_flags(serve)
+    _add_dtype_flag(serve)
+    serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: the target directory's name)")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="live sequences at most (default 64)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="queued requests at most; one more is answered 503 (default 256)")
+    serve.add_argument("--default-max-tokens", type=int, default=256,
+                       help="max_tokens of a request that gives none (default 256)")
+    serve.add_argument("--max-ws-generations", type=int, default=32,
+                       help="concurrent generations per websocket (default 32)")
+    serve.add_argument("--stats-interval", type=float, default=0.5,
+                       help="seconds between websocket stats messages (default 0.5)")
+    _add_budget_and_offload_flags(serve)
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn log level (default info)")
+    serve.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
+                       help="seconds open requests get to finish on shutdown before they are aborted (default 5)")
+    serve.set_defaults(func=cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,13 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt",
                          description="Generate a completion for one prompt and stream it to stdout.")
-    gen.add_argument("--target", type=Path, help="Hugging Face Qwen3-MoE directory (default: the built-in model)")
-    gen.add_argument("--drafter", type=Path,
-                     help="DFlash drafter directory (default: the built-in model's; without one, decode autoregressively)")
-    gen.add_argument("--no-spec", action="store_true", help="decode autoregressively even when a drafter is given")
-    gen.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
-    gen.add_argument("--projector", default="router", choices=["router", "last-union", "exact"],
-                     help="route projection of each drafted block (default router)")
+    _add_model_flags(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -174,28 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all (default)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                     help="compute dtype (default float32 on CPU, bfloat16 on a GPU that supports it)")
-    gen.add_argument("--verify-token-budget", type=int, default=None,
-                     help="verify admission: tokens per tick (give all four budgets or none; none = token-only)")
-    gen.add_argument("--verify-byte-budget", type=int, default=None,
-                     help="verify admission: expert bytes per tick")
-    gen.add_argument("--verify-token-cap", type=int, default=None,
-                     help="verify admission: tokens carried at most (>= one block)")
-    gen.add_argument("--verify-byte-cap", type=int, default=None,
-                     help="verify admission: expert bytes carried at most (>= one block's largest union)")
-    cache = gen.add_mutually_exclusive_group()
-    cache.add_argument("--expert-cache-bytes", type=int, default=None,
-                       help="offload experts to the host store behind a device cache of this many bytes")
-    cache.add_argument("--expert-cache-fraction", type=float, default=None,
-                       help="offload experts behind a device cache holding this fraction of all expert bytes")
-    gen.add_argument("--eviction", default="activation", choices=["lru", "lfu", "activation"],
-                     help="expert cache eviction policy (default activation: recency-weighted routing history)")
-    gen.add_argument("--emulate-link-gbps", type=float, default=None,
-                     help="emulate a host-to-device link of this bandwidth (GB/s) on machines without a GPU")
+    _add_dtype_flag(gen)
+    _add_budget_and_offload_flags(gen)
     gen.add_argument("--json", action="store_true",
                      help='print one JSON object {"token_ids", "text", "acceptance_lengths", "stats"}')
     gen.set_defaults(func=cmd_generate)
+
+    _add_serve_parser(sub)
 
     train = sub.add_parser(
         "train-drafter", help="train a DFlash drafter for a target (writes the published DFlash layout)",

@@ -1,0 +1,221 @@
+"""The websocket endpoint `/ws`: many concurrent generations per socket, live deltas and stats.
+
+Owns one connection's life: reading and validating client messages (start, cancel), one
+task per running generation, a single writer (so messages never interleave), and the
+periodic engine-wide `stats` message. Protocol: docs/websocket.md. A malformed message
+gets an `error` message and the socket stays open; a generation ends with exactly one
+`done` or one `error` carrying its id. Must not touch engine internals: it calls
+`engine.generate()` and closes the stream to abort.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+import anyio.abc
+from starlette.websockets import WebSocket
+
+from pdflash.server import protocol
+from pdflash.server.completions import chat_prompt
+from pdflash.server.errors import APIError, from_engine_error, invalid
+from pdflash.server.metrics import RequestTracker
+from pdflash.server.state import ServerState
+
+log = logging.getLogger(__name__)
+OUTBOX = 256  # messages queued for the writer; generations wait (their engine mailbox merges) when full
+START_FIELDS = {"type", "id", "prompt", "messages", "params"}
+_connections = itertools.count()
+
+
+async def websocket_endpoint(state: ServerState, websocket: WebSocket) -> None:
+    await WebSocketSession(state, websocket).run()
+
+
+class WebSocketSession:
+    def __init__(self, state: ServerState, websocket: WebSocket) -> None:
+        self.state = state
+        self.websocket = websocket
+        self.name = f"ws{next(_connections)}"
+        self.requests = itertools.count()
+        self.running: dict[str, anyio.CancelScope] = {}  # json.dumps(client id) -> the generation's scope
+        self.outbox, self._outbox_reader = anyio.create_memory_object_stream[dict](OUTBOX)
+        self.tasks: anyio.abc.TaskGroup | None = None
+
+    async def run(self) -> None:
+        await self.websocket.accept()
+        self.state.metrics.ws_connections.inc()
+        try:
+            async with anyio.create_task_group() as tasks:
+                self.tasks = tasks
+                tasks.start_soon(self._write)
+                tasks.start_soon(self._send_stats)
+                await self._read()  # returns when the client disconnects
+                tasks.cancel_scope.cancel()  # running generations close their streams: the engine aborts them
+        finally:
+            self.state.metrics.ws_connections.dec()
+
+    # -- reading --------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            msg_id = None
+            try:
+                msg = _decode(message)
+                msg_id = msg.get("id")
+                kind = msg.get("type")
+                if kind == "start":
+                    self._start(msg)
+                elif kind == "cancel":
+                    self._cancel(msg)
+                else:
+                    raise invalid(f"unknown message type {json.dumps(kind)}; the client sends \"start\" or \"cancel\"",
+                                  param="type", code="unknown_type")
+                self.state.metrics.ws_messages.labels(type=kind).inc()
+            except APIError as error:
+                self.state.metrics.ws_messages.labels(type="invalid").inc()
+                await self._post(_error(error, msg_id))
+            except Exception as error:  # a bug: report it, keep the socket and the server
+                log.exception("websocket message handling failed")
+                await self._post({"type": "error", "id": msg_id, "code": "internal_error", "param": None,
+                                  "message": f"internal error: {error!r}"})
+
+    def _start(self, msg: dict[str, Any]) -> None:
+        unknown = sorted(set(msg) - START_FIELDS)
+        if unknown:
+            raise invalid(f"unknown field {unknown[0]!r} in a start message (fields: {sorted(START_FIELDS)})",
+                          param=unknown[0], code="invalid_message")
+        gen_id, key = _client_id(msg)
+        if key in self.running:
+            raise invalid(f"a generation with id {json.dumps(gen_id)} is already running on this socket; "
+                          "ids must be unique among running generations", param="id", code="duplicate_id")
+        if len(self.running) >= self.state.settings.max_ws_generations:
+            raise invalid(f"{len(self.running)} generations are already running on this socket "
+                          f"(max {self.state.settings.max_ws_generations}); wait for one to finish",
+                          code="too_many_generations")
+        prompt = self._prompt(msg)
+        params = msg.get("params") or {}
+        if not isinstance(params, dict):
+            raise invalid(f"params must be an object, got {json.dumps(params)[:200]}", param="params",
+                          code="invalid_params")
+        unknown = sorted(set(params) - set(protocol.SAMPLING_TYPES))
+        if unknown:
+            raise invalid(f"unknown sampling parameter {unknown[0]!r}; valid: {sorted(protocol.SAMPLING_TYPES)}",
+                          param=f"params.{unknown[0]}", code="invalid_params")
+        try:
+            sampling = protocol.sampling_params(params, default_max_tokens=self.state.settings.default_max_tokens)
+        except APIError as error:
+            raise invalid(error.message, param=f"params.{error.param}" if error.param else "params",
+                          code="invalid_params") from None
+        request_id = f"{self.name}-{next(self.requests)}"
+        try:
+            stream = self.state.engine.generate(prompt, sampling, request_id=request_id)
+        except Exception as error:
+            param_of = {f: f"params.{f}" for f in protocol.SAMPLING_TYPES} | {"prompt": "prompt"}
+            raise from_engine_error(error, param_of=param_of) from None
+        scope = anyio.CancelScope()
+        self.running[key] = scope
+        self.tasks.start_soon(self._generate, gen_id, key, request_id, stream, scope)
+
+    def _prompt(self, msg: dict[str, Any]) -> str | list[int]:
+        if ("prompt" in msg) == ("messages" in msg):
+            raise invalid("a start message needs exactly one of \"prompt\" (text or token ids) or \"messages\"",
+                          param="prompt", code="invalid_message")
+        if "messages" in msg:
+            return chat_prompt(self.state, protocol.parse_messages(msg["messages"]))
+        return protocol.parse_prompt(msg["prompt"])
+
+    def _cancel(self, msg: dict[str, Any]) -> None:
+        gen_id, key = _client_id(msg)
+        scope = self.running.get(key)
+        if scope is None:
+            raise invalid(f"no generation with id {json.dumps(gen_id)} is running on this socket",
+                          param="id", code="unknown_id")
+        scope.cancel()  # the generation sends its `done` (finish_reason "abort")
+
+    # -- generations ----------------------------------------------------------------------
+
+    async def _generate(self, gen_id: Any, key: str, request_id: str, stream, scope: anyio.CancelScope) -> None:
+        tracker, out, failure = RequestTracker(self.state.metrics), None, None
+        try:
+            with scope:
+                async with aclosing(stream):
+                    async for out in stream:
+                        delta = tracker.update(out)
+                        if out.token_ids or out.text:
+                            await self._post({
+                                "type": "delta", "id": gen_id, "text": out.text, "token_ids": list(out.token_ids),
+                                "acceptance_length": delta.acceptance_lengths[-1] if delta.acceptance_lengths else None,
+                                "acceptance_lengths": list(delta.acceptance_lengths),
+                                "expert_bytes": delta.expert_bytes, "fetch_bytes": delta.fetch_bytes,
+                                "generated_tokens": tracker.tokens,
+                            })
+        except Exception as error:  # this request failed in the engine
+            failure = error
+        finally:
+            self.running.pop(key, None)  # before `done` goes out, so the client may reuse the id at once
+            await self.state.release(request_id)
+        if failure is not None:
+            self.state.metrics.ws_generations.labels(outcome="error").inc()
+            await self._post({"type": "error", "id": gen_id, "code": "generation_failed", "param": None,
+                              "message": f"generation failed: {failure}"})
+            return
+        reason = out.finish_reason if out is not None and out.finished else "abort"
+        self.state.metrics.ws_generations.labels(outcome=reason).inc()
+        metrics = tracker.summary(out) if out is not None else {"generated_tokens": 0}
+        await self._post({"type": "done", "id": gen_id, "finish_reason": reason, "metrics": metrics})
+
+    # -- writing --------------------------------------------------------------------------
+
+    async def _post(self, message: dict[str, Any]) -> None:
+        await self.outbox.send(message)
+
+    async def _write(self) -> None:
+        try:
+            async for message in self._outbox_reader:
+                await self.websocket.send_text(json.dumps(message, separators=(",", ":")))
+        except Exception:  # the client is gone (or the transport broke): end the session
+            self.tasks.cancel_scope.cancel()
+
+    async def _send_stats(self) -> None:
+        while True:
+            try:
+                self.outbox.send_nowait(self.state.board.current())
+            except anyio.WouldBlock:
+                pass  # the client is behind: skip this one, the next is newer anyway
+            await anyio.sleep(self.state.settings.stats_interval_s)
+
+
+def _decode(message: dict[str, Any]) -> dict[str, Any]:
+    text = message.get("text")
+    if text is None:
+        raise invalid("binary frames are not part of the protocol; send JSON text", code="invalid_message")
+    try:
+        msg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise invalid(f"the message is not valid JSON ({exc})", code="invalid_json") from None
+    if not isinstance(msg, dict):
+        raise invalid(f"a message must be a JSON object with a \"type\", got {type(msg).__name__}",
+                      code="invalid_message")
+    return msg
+
+
+def _client_id(msg: dict[str, Any]) -> tuple[Any, str]:
+    gen_id = msg.get("id")
+    valid = (isinstance(gen_id, str) and gen_id) or (isinstance(gen_id, int) and not isinstance(gen_id, bool))
+    if not valid:
+        raise invalid(f"id must be a non-empty string or an integer, got {json.dumps(gen_id)}", param="id",
+                      code="invalid_message")
+    return gen_id, json.dumps(gen_id)
+
+
+def _error(error: APIError, msg_id: Any) -> dict[str, Any]:
+    code = error.code or ("invalid_request" if error.status == 400 else error.type)
+    return {"type": "error", "id": msg_id, "code": code, "param": error.param, "message": error.message}
