@@ -122,7 +122,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     try:
         settings = TrainSettings(
             num_layers=args.layers, block_size=args.block_size, steps=args.steps, minutes=args.minutes,
-            batch_sequences=args.batch, lr=args.lr, seed=args.seed,
+            batch_sequences=args.batch, lr=args.lr, seed=args.seed, tap_layers=args.tap_layers,
         )
         target = load_target(args.target, progress=True)
         if target.tokenizer is None:
@@ -289,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, required=True, help="directory to write the drafter checkpoint to")
     train.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default 1)")
     train.add_argument("--block-size", type=int, default=8, help="tokens per drafted block (default 8)")
+    train.add_argument("--tap-layers", type=int, nargs="+", default=None,
+                       help="target layers whose hidden states condition the drafter (default: spread as published)")
     budget = train.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
     budget.add_argument("--minutes", type=float, default=None, help="train for this long instead of a step count")

@@ -46,6 +46,8 @@ class TrainSettings:
     grad_clip: float = 1.0
     seed: int = 0
     init_std: float = 0.02
+    tap_layers: tuple[int, ...] | None = attrs.field(default=None, converter=lambda t: None if t is None else tuple(t))
+    # target layers feeding `fc`; None spreads them as published drafters do (default_tap_layers)
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_layers", "steps", "batch_sequences", "anchors_per_sequence"):
@@ -124,7 +126,8 @@ class DrafterTrainer:
             raw_target | {"num_hidden_layers": tcfg.num_layers, "vocab_size": tcfg.vocab_size},
             num_layers=settings.num_layers, block_size=settings.block_size, mask_token_id=mask_id,
         )
-        self.raw_config["dflash_config"]["target_layer_ids"] = list(default_tap_layers(tcfg.num_layers, settings.num_layers))
+        taps = settings.tap_layers or default_tap_layers(tcfg.num_layers, settings.num_layers)
+        self.raw_config["dflash_config"]["target_layer_ids"] = list(taps)
         self.config = DrafterConfig.from_dict(self.raw_config, "trainer")
         generator = torch.Generator().manual_seed(settings.seed)
         init = random_drafter_tensors(self.raw_config, len(self.config.tap_layers), generator, settings.init_std)
