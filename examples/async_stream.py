@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 
 from pdflash import AsyncEngine, SamplingParams
-from pdflash.cli import default_drafter, default_target
+from pdflash.bundled import default_drafter, default_target
 
 
 def parse_args() -> argparse.Namespace:

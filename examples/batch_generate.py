@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 
 from pdflash import AsyncEngine, SamplingParams
-from pdflash.cli import default_drafter, default_target
+from pdflash.bundled import default_drafter, default_target
 
 DEFAULT_PROMPTS = ["def quicksort(xs):", "The capital of France is", "import torch\n", "Once upon a time",
                    "SELECT name FROM users WHERE", "fn main() {"]

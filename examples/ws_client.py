@@ -35,7 +35,7 @@ def parse_args() -> argparse.Namespace:
 def local_server():
     """The built-in model behind a real server on a free loopback port, in a thread."""
     from pdflash import AsyncEngine
-    from pdflash.cli import default_drafter, default_target
+    from pdflash.bundled import default_drafter, default_target
     from pdflash.server import BackgroundServer, ServerSettings, create_app
 
     target = default_target()

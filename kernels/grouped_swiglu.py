@@ -88,22 +88,24 @@ def grouped_swiglu_reference(
     top_k = routing.topk_ids.shape[1]
     offsets = routing.expert_offsets.tolist()
     slots = slot_of_expert.tolist()
-    weights = routing.topk_weights.flatten()  # [T*K]
+    order = routing.sorted_assignments  # [A] assignments grouped by expert
+    tokens = order // top_k  # [A]
+    h_all = x[tokens]  # [A, H] gathered once; each expert reads a contiguous slice
+    y_all = torch.zeros(h_all.shape, dtype=torch.float32, device=x.device)  # [A, H]
     for expert in routing.union_ids().tolist():
         slot = slots[expert]
         if slot < 0:
             continue
-        assignments = routing.sorted_assignments[offsets[expert] : offsets[expert + 1]]  # [n]
-        tokens = assignments // top_k  # [n]
-        h = x[tokens]  # [n, H]
+        lo, hi = offsets[expert], offsets[expert + 1]
+        h = h_all[lo:hi]  # [n, H]
         g = h @ gate[slot].T  # [n, I]
         u = h @ up[slot].T  # [n, I]
         if gate_bias is not None:
             g = g + gate_bias[slot]
         if up_bias is not None:
             u = u + up_bias[slot]
-        act = torch.nn.functional.silu(g) * u  # [n, I]
-        y = act @ down[slot].T  # [n, H]
+        y = (torch.nn.functional.silu(g) * u) @ down[slot].T  # [n, H]
         if down_bias is not None:
             y = y + down_bias[slot]
-        out.index_add_(0, tokens, y.float() * weights[assignments, None])
+        y_all[lo:hi] = y
+    out.index_add_(0, tokens, y_all * routing.topk_weights.flatten()[order, None])  # skipped experts add 0

@@ -369,7 +369,7 @@ def test_pdflash_serve_process_serves_and_stops_on_sigint(tiny_target, tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PDFLASH_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pdflash.cli", "serve", "--target", str(tiny_target), "--port",
                              str(port), "--no-spec", "--log-level", "warning"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -4,37 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from pdflash.bundled import default_drafter, default_target
 from pdflash.sampling import SamplingParams
-
-DEFAULT_HOME = Path(os.environ.get("PDFLASH_HOME", Path.home() / ".cache" / "pdflash"))
-
-
-def default_target() -> Path:
-    """The default model: a tiny random checkpoint written on first use (no download)."""
-    from pdflash.tiny import write_tiny_target
-
-    directory = DEFAULT_HOME / "tiny-random-target"
-    if not (directory / "config.json").is_file():
-        print(f"pdflash: writing a tiny random Qwen3-MoE checkpoint to {directory} (random weights: noise, not text)",
-              file=sys.stderr)
-        write_tiny_target(directory)
-    return directory
-
-
-def default_drafter(target: Path) -> Path:
-    """A random DFlash drafter paired with the default tiny target (written on first use)."""
-    from pdflash.tiny import write_tiny_drafter
-
-    directory = DEFAULT_HOME / "tiny-random-drafter"
-    if not (directory / "config.json").is_file():
-        write_tiny_drafter(directory, target)
-    return directory
-
 
 def _prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
@@ -291,9 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--block-size", type=int, default=8, help="tokens per drafted block (default 8)")
     train.add_argument("--tap-layers", type=int, nargs="+", default=None,
                        help="target layers whose hidden states condition the drafter (default: spread as published)")
-    budget = train.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
-    budget.add_argument("--minutes", type=float, default=None, help="train for this long instead of a step count")
+    train.add_argument("--steps", type=int, default=2000, help="optimizer steps; the cosine schedule spans them (default 2000)")
+    train.add_argument("--minutes", type=float, default=None, help="stop early after this much wall time")
     train.add_argument("--sequences", type=int, default=512, help="training sequences (default 512)")
     train.add_argument("--prompt-tokens", type=int, default=64, help="prompt window per sequence (default 64)")
     train.add_argument("--response-tokens", type=int, default=128, help="continuation per sequence (default 128)")

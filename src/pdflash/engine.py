@@ -183,18 +183,20 @@ class AsyncEngine:
         progress: bool = False,
         **config: Any,
     ) -> AsyncEngine:
-        """Load a target (default: the built-in model) and optionally a DFlash drafter.
+        """Load a target and optionally a DFlash drafter (no target: the bundled pair).
 
         `offload`: keywords of `pdflash.offload.load_offloaded_target` (expert_cache_fraction,
         link_gbps, ...) to serve experts from the host store; its provider is closed on exit.
         `config`: EngineConfig fields. Loading is synchronous (before the engine starts).
         """
-        from pdflash.cli import default_target
+        from pdflash.bundled import default_drafter, default_target
         from pdflash.drafter import load_drafter
         from pdflash.loader import load_target
 
         engine_config = EngineConfig(**config)
-        target = Path(target) if target is not None else default_target()
+        if target is None:  # the bundled pair
+            target, drafter = default_target(), drafter or default_drafter(default_target())
+        target = Path(target)
         if offload is not None:
             from pdflash.offload import load_offloaded_target
 
