@@ -169,8 +169,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="DFlash drafter directory (default: the built-in model's; without one, decode autoregressively)")
     p.add_argument("--no-spec", action="store_true", help="decode autoregressively even when a drafter is given")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
-    p.add_argument("--projector", default="router", choices=["router", "last-union", "exact"],
-                   help="route projection of each drafted block (default router)")
+    p.add_argument("--projector", default=None, choices=["router", "last-union", "exact"],
+                   help="route projection of each drafted block (default: router with offloading or byte budgets, "
+                        "else last-union, which costs nothing)")
 
 
 def _add_dtype_flag(p: argparse.ArgumentParser) -> None:

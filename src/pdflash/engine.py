@@ -176,7 +176,7 @@ class AsyncEngine:
         drafter: Path | str | None = None,
         *,
         block_size: int | None = None,
-        projector: str = "router",
+        projector: str | None = None,
         dtype: str | None = None,
         device: str = "cpu",
         offload: Mapping[str, Any] | None = None,
@@ -194,6 +194,10 @@ class AsyncEngine:
         from pdflash.loader import load_target
 
         engine_config = EngineConfig(**config)
+        if projector is None:
+            # The router pass costs about half a verify on the CPU (docs/speculative.md); only
+            # byte-aware scheduling and route-ahead prefetch use its better coverage.
+            projector = "router" if offload is not None or engine_config.two_dimensional else "last-union"
         if target is None:  # the bundled pair
             target, drafter = default_target(), drafter or default_drafter(default_target())
         target = Path(target)
