@@ -22,20 +22,30 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     return tokenizer.encode(args.prompt)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    import anyio
-
-    from pdflash.engine import VERIFY_BUDGETS, AsyncEngine
+def _engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
+    """Resolve the default model and read the verify budgets and offload flags shared by generate and serve."""
+    from pdflash.engine import VERIFY_BUDGETS
 
     if args.target is None:
         args.target = default_target()
         args.drafter = args.drafter or default_drafter(args.target)
     budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
-    offload = None
-    if args.expert_cache_bytes is not None or args.expert_cache_fraction is not None:
-        offload = {"expert_cache_bytes": args.expert_cache_bytes, "expert_cache_fraction": args.expert_cache_fraction,
-                   "policy": args.eviction, "link_gbps": args.emulate_link_gbps}
+    if args.expert_cache_bytes is None and args.expert_cache_fraction is None:
+        if args.emulate_link_gbps is not None:
+            raise ValueError("--emulate-link-gbps needs --expert-cache-bytes or --expert-cache-fraction "
+                             "(without offloading no expert crosses a link)")
+        return budgets, None
+    return budgets, {"expert_cache_bytes": args.expert_cache_bytes, "expert_cache_fraction": args.expert_cache_fraction,
+                     "policy": args.eviction, "link_gbps": args.emulate_link_gbps}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import anyio
+
+    from pdflash.engine import AsyncEngine
+
     try:
+        budgets, offload = _engine_options(args)
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
             seed=args.seed,
@@ -121,22 +131,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pdflash.engine import VERIFY_BUDGETS, AsyncEngine
+    from pdflash.engine import AsyncEngine
     from pdflash.server import ServerSettings, create_app
 
-    if args.target is None:
-        args.target = default_target()
-        args.drafter = args.drafter or default_drafter(args.target)
-    budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
-    offload = None
-    if args.expert_cache_bytes is not None or args.expert_cache_fraction is not None:
-        offload = {"expert_cache_bytes": args.expert_cache_bytes, "expert_cache_fraction": args.expert_cache_fraction,
-                   "policy": args.eviction, "link_gbps": args.emulate_link_gbps}
-    elif args.emulate_link_gbps is not None:
-        print("pdflash: --emulate-link-gbps needs --expert-cache-bytes or --expert-cache-fraction "
-              "(without offloading no expert crosses a link)", file=sys.stderr)
-        return 2
     try:
+        budgets, offload = _engine_options(args)
         settings = ServerSettings(model_name=args.served_model_name or Path(args.target).name,
                                   default_max_tokens=args.default_max_tokens, stats_interval_s=args.stats_interval,
                                   max_ws_generations=args.max_ws_generations)
