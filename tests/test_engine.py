@@ -12,7 +12,9 @@ import torch
 from transitions import MachineError
 
 from pdflash.drafter import load_drafter
-from pdflash.engine import AsyncEngine, EngineConfig, EngineOverloadedError, largest_block_union_bytes
+from pdflash.engine import (
+    AsyncEngine, EngineClosedError, EngineConfig, EngineOverloadedError, largest_block_union_bytes,
+)
 from pdflash.generate import generate_autoregressive
 from pdflash.loader import load_target
 from pdflash.outputs import TextStream
@@ -278,6 +280,27 @@ async def test_an_error_in_one_sequences_round_fails_only_that_request(make_engi
         else:
             assert outputs[i] == reference(prompt)
     assert (stats.failed, stats.finished) == (1, len(PROMPTS) - 1)
+
+
+@pytest.mark.asyncio
+async def test_a_bug_in_the_step_loop_fails_every_request_and_stops_the_engine(make_engine):
+    engine = make_engine()
+
+    def broken_admission():
+        raise RuntimeError("scheduler bug")
+
+    engine._admit_verifies = broken_admission
+    with pytest.raises(ExceptionGroup) as raised:  # the loop's task group re-raises the bug on exit
+        async with engine:
+            assert engine.running and engine.error is None
+            stream = engine.generate(PROMPTS[0], GREEDY)
+            with pytest.raises(RuntimeError, match="scheduler bug"):
+                await collect(stream)
+            assert not engine.running and "scheduler bug" in repr(engine.error)
+            with pytest.raises(EngineClosedError, match="step loop stopped"):
+                engine.generate(PROMPTS[1], GREEDY)
+    assert raised.group_contains(RuntimeError, match="scheduler bug")
+    assert not engine.running
 
 
 # --- verify admission ----------------------------------------------------------------------

@@ -390,3 +390,20 @@ def test_pdflash_serve_process_serves_and_stops_on_sigint(tiny_target, tmp_path)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert f"on http://127.0.0.1:{port}" in err
+
+
+def test_health_reports_a_dead_engine_loop(tiny_target):
+    engine = AsyncEngine.from_pretrained(tiny_target, None)
+
+    def broken_admission():
+        raise RuntimeError("scheduler bug")
+
+    app = create_app(engine, ServerSettings(model_name=MODEL))
+    with BackgroundServer(app) as running, httpx.Client(base_url=running.url, timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        engine._admit_verifies = broken_admission
+        failed = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+        assert failed.status_code == 500 and "error" in failed.json()
+        health = http.get("/health")
+        assert health.status_code == 503
+        assert health.json()["status"] == "error" and "scheduler bug" in health.json()["error"]

@@ -168,6 +168,7 @@ class AsyncEngine:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._wakeup: anyio.Event | None = None
         self._owned: list[Any] = []  # closed on exit (a provider from_pretrained built)
+        self.error: Exception | None = None  # what stopped the step loop, if a bug did
 
     @classmethod
     def from_pretrained(
@@ -266,6 +267,8 @@ class AsyncEngine:
         Everything is validated before the request is queued (ValueError; TypeError for a
         wrong type). Breaking out of the iteration or cancelling the consumer aborts it.
         """
+        if self.error is not None:
+            raise EngineClosedError(f"the engine's step loop stopped: {self.error!r}") from self.error
         if self._task_group is None:
             raise EngineClosedError("the engine is not running; use it inside `async with engine:`")
         params = _sampling_params(sampling_params)
@@ -309,6 +312,11 @@ class AsyncEngine:
         await seq.released.wait()
         return True
 
+    @property
+    def running(self) -> bool:
+        """Inside `async with` and the step loop has not died."""
+        return self._task_group is not None and self.error is None
+
     def stats(self) -> EngineStats:
         t = self._totals
         sched = self.scheduler.stats()
@@ -341,6 +349,7 @@ class AsyncEngine:
                 await self._step()
                 await anyio.lowlevel.checkpoint()
         except Exception as error:  # a bug outside any one sequence: every request learns of it
+            self.error = error
             for seq in [s for s in self._seqs.values() if s.live]:
                 self._fail(seq, error)
             raise

@@ -17,9 +17,13 @@ ExpertKey = tuple[int, int]  # (layer, expert)
 
 def routed_union(routed: torch.Tensor, moe_layer_ids: Sequence[int]) -> frozenset[ExpertKey]:
     """[n, L_moe, K] routed ids → the set of (layer, expert) pairs they touch."""
-    layers = torch.tensor(moe_layer_ids, dtype=torch.int64, device=routed.device)[None, :, None].expand_as(routed)
-    pairs = torch.stack([layers.flatten(), routed.flatten()], dim=1).unique(dim=0)  # [U, 2]
-    return frozenset(map(tuple, pairs.tolist()))
+    # A set over a Python list: `Tensor.unique(dim=0)` costs ~0.7 ms here, a sizeable share of a verify.
+    return frozenset(
+        (layer, expert)
+        for token in routed.tolist()
+        for layer, experts in zip(moe_layer_ids, token, strict=True)
+        for expert in experts
+    )
 
 
 def union_bytes(union: Iterable[ExpertKey], expert_nbytes: dict[ExpertKey, int]) -> int:

@@ -54,8 +54,11 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
 
     async def health(request: Request) -> Response:
         s = engine.stats()
-        return JSONResponse({"status": "ok", "model": settings.model_name, "live_sequences": s.live_sequences,
-                             "waiting": s.waiting})
+        body = {"status": "ok" if engine.running else "error", "model": settings.model_name,
+                "live_sequences": s.live_sequences, "waiting": s.waiting}
+        if engine.error is not None:
+            body["error"] = repr(engine.error)
+        return JSONResponse(body, status_code=200 if engine.running else 503)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [protocol.model_card(settings.model_name, state.started)]})
