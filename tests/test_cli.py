@@ -60,3 +60,30 @@ def test_offload_flags_keep_tokens_and_report_traffic(capsys, tiny_target, draft
     assert stats["link"] == "emulated" and stats["expert_bytes_fetched"] > 0
     for key in ("expert_cache_peak_bytes", "expert_cache_hit_rate", "exposed_fetch_seconds"):
         assert key in stats
+
+
+def test_train_drafter_writes_stats_and_reuses_its_data_cache(capsys, tiny_target, tmp_path, monkeypatch):
+    import pdflash.train
+
+    text = tmp_path / "corpus.py"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    cache, stats = tmp_path / "data.pt", tmp_path / "stats.json"
+
+    def train(*extra):
+        argv = ["train-drafter", "--target", str(tiny_target), "--data", str(text), "--out", str(tmp_path / "d"),
+                "--steps", "3", "--sequences", "4", "--prompt-tokens", "8", "--response-tokens", "12",
+                "--anchors", "2", "--data-cache", str(cache), "--stats", str(stats), *extra]
+        assert main(argv) == 0, capsys.readouterr().err
+
+    train()
+    figures = json.loads(stats.read_text())
+    assert figures["steps"] == 3 and figures["sequences"] == 4 and len(figures["losses"]) == 3
+    assert figures["settings"]["anchors_per_sequence"] == 2 and cache.is_file()
+
+    built = []
+    real_build = pdflash.train.build_training_data
+    monkeypatch.setattr(pdflash.train, "build_training_data", lambda *a, **k: built.append(1) or real_build(*a, **k))
+    train("--lr", "1e-4")  # a training option only: the cached continuations serve
+    assert built == []
+    train("--response-tokens", "10")  # a data option: the cache is stale and rebuilt
+    assert built == [1]

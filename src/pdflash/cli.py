@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
+
 from pdflash.bundled import default_drafter, default_target
 from pdflash.sampling import SamplingParams
 
@@ -100,23 +102,37 @@ async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo:
     }
 
 
+def _weights_stamp(directory: Path) -> list:
+    """(name, size, mtime) of a checkpoint's weight files: changes whenever the weights do."""
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(directory.glob("*.safetensors"))]
+
+
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from pdflash.loader import load_target
-    from pdflash.train import DrafterTrainer, TrainSettings, build_training_data, text_prompts
+    from pdflash.train import DrafterTrainer, TrainSettings, build_training_data, cached_training_data, text_prompts
 
     try:
         settings = TrainSettings(
             num_layers=args.layers, block_size=args.block_size, steps=args.steps, minutes=args.minutes,
-            batch_sequences=args.batch, lr=args.lr, seed=args.seed, tap_layers=args.tap_layers,
+            batch_sequences=args.batch, anchors_per_sequence=args.anchors, lr=args.lr, seed=args.seed,
+            tap_layers=args.tap_layers,
         )
         target = load_target(args.target, progress=True)
         if target.tokenizer is None:
             raise ValueError(f"{args.target} has no tokenizer.json; the trainer reads text data")
         trainer = DrafterTrainer(target, settings)
         window = args.prompt_tokens + (0 if args.generate else args.response_tokens)
-        prompts = text_prompts(target.tokenizer, args.data, count=args.sequences, length=window, seed=args.seed)
-        data = build_training_data(target, prompts, response_tokens=args.response_tokens,
-                                   tap_layers=trainer.config.tap_layers, generate=args.generate, progress=True)
+
+        def build():
+            prompts = text_prompts(target.tokenizer, args.data, count=args.sequences, length=window, seed=args.seed)
+            return build_training_data(target, prompts, response_tokens=args.response_tokens,
+                                       tap_layers=trainer.config.tap_layers, generate=args.generate, progress=True)
+
+        key = {"target": str(Path(args.target).resolve()), "weights": _weights_stamp(Path(args.target)),
+               "data": [str(Path(f).resolve()) for f in args.data], "sequences": args.sequences, "window": window,
+               "response_tokens": args.response_tokens, "generate": args.generate,
+               "tap_layers": list(trainer.config.tap_layers), "seed": args.seed}
+        data = cached_training_data(args.data_cache, key, build)
         result = trainer.train(data, progress=True)
     except ValueError as exc:
         print(f"pdflash: {exc}", file=sys.stderr)
@@ -125,6 +141,12 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     tail = result.losses[-min(50, result.steps):]
     print(f"wrote {out}: {result.steps} steps in {result.seconds:.0f} s, "
           f"loss {result.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)} steps)")
+    if args.stats:
+        args.stats.write_text(json.dumps({
+            "steps": result.steps, "seconds": result.seconds, "sequences": len(data.token_ids),
+            "first_loss": result.losses[0], "final_loss": sum(tail) / len(tail), "final_loss_steps": len(tail),
+            "losses": result.losses, "settings": attrs.asdict(settings),
+        }, indent=1))
     return 0
 
 
@@ -267,15 +289,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--tap-layers", type=int, nargs="+", default=None,
                        help="target layers whose hidden states condition the drafter (default: spread as published)")
     train.add_argument("--steps", type=int, default=2000, help="optimizer steps; the cosine schedule spans them (default 2000)")
-    train.add_argument("--minutes", type=float, default=None, help="stop early after this much wall time")
+    train.add_argument("--minutes", type=float, default=None,
+                       help="wall-time budget; the cosine schedule follows whichever of --steps and --minutes runs out first")
     train.add_argument("--sequences", type=int, default=512, help="training sequences (default 512)")
     train.add_argument("--prompt-tokens", type=int, default=64, help="prompt window per sequence (default 64)")
     train.add_argument("--response-tokens", type=int, default=128, help="continuation per sequence (default 128)")
     train.add_argument("--no-generate", dest="generate", action="store_false",
                        help="train on the given text itself instead of the target's own continuations")
     train.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    train.add_argument("--anchors", type=int, default=8, help="random blocks per sequence per step (default 8)")
     train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--data-cache", type=Path,
+                       help="keep the target's continuations and tap states in this file and reuse them while "
+                            "the target, data and data options are unchanged (runs that differ only in training "
+                            "options then skip the generation)")
+    train.add_argument("--stats", type=Path, help="also write the training figures (steps, time, losses) to this JSON file")
     train.set_defaults(func=cmd_train_drafter)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen3-MoE checkpoint (for tests and trials)")

@@ -12,7 +12,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -37,7 +37,7 @@ class TrainSettings:
     num_layers: int = 1
     block_size: int = 8
     steps: int = 1000
-    minutes: float | None = None  # stop early after this much wall time
+    minutes: float | None = None  # wall-time budget: the schedule follows whichever budget runs out first
     batch_sequences: int = 8  # sequences per step
     anchors_per_sequence: int = 8  # blocks per sequence per step
     lr: float = 6e-4
@@ -66,7 +66,7 @@ class TrainSettings:
 @attrs.frozen(kw_only=True)
 class TrainingData:
     token_ids: torch.Tensor  # [S, L] prompt + response, all sequences the same length
-    taps: torch.Tensor  # [S, L, n_taps*H] the target's residual stream at the tap layers
+    taps: torch.Tensor  # [S, L, n_taps*H] the target's residual stream at the tap layers (float16 storage)
     prompt_len: int  # anchors are drawn from positions prompt_len … L-block_size
 
 
@@ -109,8 +109,28 @@ def build_training_data(
     for start in tqdm(range(0, len(rows), batch), desc="target taps", disable=not progress):
         chunk = list(token_ids[start : start + batch])
         out = model.forward(chunk, [model.new_cache() for _ in chunk], last_logits_only=True, taps=tuple(tap_layers))
-        taps.append(out.taps.float().clone().view(len(chunk), token_ids.shape[1], -1))
+        states = out.taps.float().view(len(chunk), token_ids.shape[1], -1)
+        if not torch.isfinite(states.half()).all():
+            raise ValueError("target tap states overflow float16 storage")
+        taps.append(states.half())  # half the memory: tap states of thousands of sequences add up
     return TrainingData(token_ids=token_ids, taps=torch.cat(taps), prompt_len=prompt_len)
+
+
+def cached_training_data(path: Path | str | None, key: dict, build: Callable[[], TrainingData]) -> TrainingData:
+    """`build()`, memoised in `path` under `key` (everything the data depends on); a stale file is rebuilt."""
+    if path is None:
+        return build()
+    path = Path(path)
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved["key"] == json.dumps(key, sort_keys=True):
+            return TrainingData(token_ids=saved["token_ids"], taps=saved["taps"], prompt_len=int(saved["prompt_len"]))
+    data = build()
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"key": json.dumps(key, sort_keys=True), "token_ids": data.token_ids, "taps": data.taps,
+                "prompt_len": data.prompt_len}, tmp)
+    tmp.replace(path)
+    return data
 
 
 class DrafterTrainer:
@@ -183,7 +203,7 @@ class DrafterTrainer:
     def loss(self, data: TrainingData, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Position-weighted cross-entropy of position k predicting the token at anchor+k."""
         B, K = self.settings.block_size, self.settings.anchors_per_sequence
-        ids, taps = data.token_ids[rows], data.taps[rows]  # [N, L], [N, L, n_taps*H]
+        ids, taps = data.token_ids[rows], data.taps[rows].float()  # [N, L], [N, L, n_taps*H]
         high = ids.shape[1] - B + 1
         if high <= data.prompt_len:
             raise ValueError(f"sequences of {ids.shape[1]} tokens leave no room for a block of {B} after the prompt")
@@ -199,24 +219,30 @@ class DrafterTrainer:
         params = list(self.weights.values())
         optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
 
+        def progress_at(step: int) -> float:
+            """Share of the budget spent: steps, or wall time when that runs out first."""
+            by_steps = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
+            by_time = (time.perf_counter() - started) / (60 * s.minutes) if s.minutes is not None else 0.0
+            return max(by_steps, by_time)
+
         def lr_factor(step: int) -> float:
             if step < s.warmup_steps:
                 return (step + 1) / s.warmup_steps
-            return 0.5 * (1 + math.cos(math.pi * (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)))
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress_at(step))))
 
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         generator = torch.Generator().manual_seed(s.seed)
         order = random.Random(s.seed)
         started, losses = time.perf_counter(), []
         bar = tqdm(range(s.steps), desc="train drafter", disable=not progress)
         for step in bar:
+            for group in optimizer.param_groups:
+                group["lr"] = s.lr * lr_factor(step)
             rows = torch.tensor(order.sample(range(len(data.token_ids)), min(s.batch_sequences, len(data.token_ids))))
             loss = self.loss(data, rows, generator)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
             optimizer.step()
-            schedule.step()
             losses.append(float(loss.detach()))
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             if s.minutes is not None and time.perf_counter() - started > 60 * s.minutes:
