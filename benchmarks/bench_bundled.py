@@ -8,6 +8,7 @@ Greedy speculative output is checked token for token against greedy autoregressi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of the sampled τ run")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file (the model card reads it)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -58,12 +60,18 @@ def main() -> None:
     run(dflash, prompts[:1], greedy), run(plain, prompts[:1], greedy)  # warm-up
 
     spec_rate, ar_rate, taus, mismatches = [], [], [], 0
+    round_ms = {"dflash_round": [], "dflash_verify": [], "ar_step": [], "ar_forward": []}  # per prompt
     for ids in tqdm(prompts, desc="greedy, side by side"):
         (s,), (a,) = run(dflash, [ids], greedy), run(plain, [ids], greedy)
         mismatches += s.token_ids != a.token_ids
         spec_rate.append(s.stats["tokens_per_second"])
         ar_rate.append(a.stats["tokens_per_second"])
         taus += s.acceptance_lengths
+        for name, r in (("dflash", s), ("ar", a)):
+            decode = r.stats["seconds"] - r.stats["time_to_first_token_seconds"]
+            round_ms["dflash_round" if name == "dflash" else "ar_step"].append(1e3 * decode / r.stats["rounds"])
+            round_ms["dflash_verify" if name == "dflash" else "ar_forward"].append(
+                1e3 * r.stats["verify_seconds"] / r.stats["rounds"])
     sampled = []
     for i, ids in enumerate(tqdm(prompts, desc=f"sampled T={args.sample_temperature}")):
         params = SamplingParams(temperature=args.sample_temperature, max_tokens=args.max_tokens, seed=i)
@@ -77,9 +85,25 @@ def main() -> None:
     print(f"decode tokens/s, median [min-max]: DFlash {statistics.median(spec_rate):.1f} "
           f"[{min(spec_rate):.1f}-{max(spec_rate):.1f}], AR {statistics.median(ar_rate):.1f} "
           f"[{min(ar_rate):.1f}-{max(ar_rate):.1f}]")
+    costs = {name: statistics.median(values) for name, values in round_ms.items()}
+    print(f"per round, median ms: DFlash round {costs['dflash_round']:.2f} (target verify of the block "
+          f"{costs['dflash_verify']:.2f}, the rest drafting and bookkeeping); AR step {costs['ar_step']:.2f} "
+          f"(target forward {costs['ar_forward']:.2f})")
     ratios = [s / a for s, a in zip(spec_rate, ar_rate)]
     print(f"speedup DFlash / AR (per prompt): median {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
     print(f"greedy outputs differing from AR: {mismatches} of {len(prompts)}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "threads": args.threads, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
+            "prompts": len(prompts), "max_tokens": args.max_tokens, "block_size": args.block_size,
+            "greedy_tau": statistics.mean(taus), "greedy_rounds": len(taus),
+            "sampled_temperature": args.sample_temperature, "sampled_tau": statistics.mean(sampled),
+            "sampled_rounds": len(sampled),
+            "dflash_tokens_per_second": spec_rate, "ar_tokens_per_second": ar_rate, "speedups": ratios,
+            "speedup_median": statistics.median(ratios),
+            "speedup_aggregate": sum(spec_rate) / sum(ar_rate), "greedy_mismatches": mismatches,
+            "median_ms": costs,
+        }, indent=1))
 
 
 if __name__ == "__main__":
