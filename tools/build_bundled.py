@@ -515,19 +515,19 @@ def stage_drafter(args) -> dict:
 
     torch.set_num_threads(args.threads)
     files = [str(p) for p in split_paths(load_split(args), "train")]
-    options = ["--out", str(drafter_dir(args)), "--layers", str(args.drafter_layers), "--block-size",
+    options = ["--layers", str(args.drafter_layers), "--block-size",
                str(args.block_size), "--tap-layers", *map(str, args.drafter_taps), "--steps", str(args.drafter_steps),
                "--minutes", f"{args.drafter_minutes:g}", "--sequences", str(args.drafter_sequences),
                "--prompt-tokens", str(args.drafter_prompt_tokens), "--response-tokens",
                str(args.drafter_response_tokens), "--batch", str(args.drafter_batch), "--anchors",
                str(args.drafter_anchors), "--lr", f"{args.drafter_lr:g}", "--seed", str(args.seed)]
-    options += ["--data-cache", str(args.work / "drafter-data.pt")]  # a rerun with other training flags reuses it
+    cache = args.work / "drafter-data.pt"  # a rerun with other training flags reuses the continuations
     stats_path = args.work / "drafter_stats.json"
-    if cli.main(["train-drafter", "--target", str(args.out), "--data", *files, *options, "--stats", str(stats_path)]):
+    if cli.main(["train-drafter", "--target", str(args.out), "--data", *files, "--out", str(drafter_dir(args)),
+                 *options, "--data-cache", str(cache), "--stats", str(stats_path)]):
         raise SystemExit("train-drafter failed")
     stats = json.loads(stats_path.read_text())
-    stats["command"] = ("pdflash train-drafter --target " + str(args.out.relative_to(REPO) if args.out.is_relative_to(REPO)
-                        else args.out) + " --data <the training split's files> " + " ".join(options))
+    stats["train_flags"] = " ".join(options)
     stats["threads"] = args.threads
     stats["build_flags"] = " ".join(
         f"--{name.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
@@ -550,6 +550,28 @@ def stage_bench(args) -> dict:
 
 
 # --------------------------------------------------------------------------------------- card
+
+def cost_model_lines(bench: dict) -> list[str]:
+    """Why the speedup is what it is: a round's cost in AR steps against τ."""
+    ms, tau = bench["median_ms"], bench["greedy_tau"]
+    steps = ms["dflash_round"] / ms["ar_step"]
+    needed = 1.8 * steps
+    return [
+        f"A DFlash round costs {steps:.1f} AR steps here (median round {ms['dflash_round']:.2f} ms: the target verifies "
+        f"{bench['block_size']} tokens in {ms['dflash_verify'] / ms['ar_forward']:.1f}× the time of one,",
+        f"and the drafter and the round's bookkeeping take {ms['dflash_round'] - ms['dflash_verify']:.2f} ms), "
+        f"so a 1.8× speedup would need τ ≈ {needed:.1f}; τ is {tau:.2f}.",
+        "On this CPU a forward is bound by per-operation overhead, not arithmetic: each routed expert costs",
+        "about the same few-matmul time whatever its token count, and an 8-token block routes most of the",
+        "experts of every layer where one token routes top-k of them. On an accelerator, where verifying",
+        "8 tokens costs about as much as 1, the same τ would pay far more; no accelerator was available.",
+        "",
+    ]
+
+
+def _shown(path: Path) -> str:
+    return str(path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path)
+
 
 def drafter_card_lines(args) -> list[str]:
     """The card's drafter section: architecture, training figures and the measured τ / speedup."""
@@ -578,11 +600,13 @@ def drafter_card_lines(args) -> list[str]:
         f"Trained on {stats['sequences']:,} windows of the training split, each continued greedily by the target, "
         f"{stats['steps']:,} AdamW steps",
         f"of {st['batch_sequences']} sequences × {st['anchors_per_sequence']} random anchors in {stats['seconds'] / 60:.1f} min "
-        f"({stats['threads']} threads); position-weighted loss {stats['first_loss']:.2f} → {stats['final_loss']:.2f}",
+        f"({stats['threads']} CPU thread{'s' if stats['threads'] > 1 else ''}); position-weighted loss "
+        f"{stats['first_loss']:.2f} → {stats['final_loss']:.2f}",
         f"(mean of the last {stats['final_loss_steps']} steps). The command (`tools/build_bundled.py drafter` runs it):",
         "",
         "```",
-        stats["command"],
+        f"pdflash train-drafter --target {_shown(args.out)} --data <the training split's files> \\",
+        f"    --out {_shown(directory)} {stats['train_flags']}",
         "```",
         "",
     ]
@@ -613,6 +637,7 @@ def drafter_card_lines(args) -> list[str]:
             f"(verify {b['median_ms']['dflash_verify']:.2f} ms) |",
             f"| one AR step, median | {b['median_ms']['ar_step']:.2f} ms (target forward {b['median_ms']['ar_forward']:.2f} ms) |",
             "",
+            *cost_model_lines(b),
         ]
     return lines
 
@@ -632,7 +657,8 @@ def stage_card(args) -> Path:
     heldout_tokens = ev["heldout_tokens_scored"]
     log = train["log"]
     curve = [log[round(i * (len(log) - 1) / 9)] for i in range(10)] if len(log) >= 10 else log
-    rebuild = (f"python tools/build_bundled.py all --seed {a['seed']} --vocab-size {a['vocab_size']} "
+    rebuild = (f"python tools/build_bundled.py all --packages {' '.join(a['packages'])} --seed {a['seed']} "
+               f"--vocab-size {a['vocab_size']} "
                f"--context {a['context']} --hidden {a['hidden']} --layers {a['layers']} --heads {a['heads']} "
                f"--kv-heads {a['kv_heads']} --experts {a['experts']} --expert-width {a['expert_width']} "
                f"--top-k {a['top_k']} {'--tie' if a['tie'] else '--no-tie'} --dtype {a['dtype']} "
@@ -652,9 +678,9 @@ def stage_card(args) -> Path:
         "",
         "## Data",
         "",
-        "- Source: every `.py` file of " + ", ".join(
-            f"{'the stdlib (CPython' if label == 'stdlib' else f'`{label}`'} {split['versions'][label]}"
-            f"{')' if label == 'stdlib' else ''}, `{root}`" for label, root in split["roots"].items()) + ",",
+        "- Source: every `.py` file of " + " and of ".join(
+            f"the CPython {split['versions'][label]} standard library (`{root}`)" if label == "stdlib"
+            else f"`{label}` {split['versions'][label]} (`{root}`)" for label, root in split["roots"].items()) + ",",
         f"  skipping directories named {', '.join(f'`{d}`' for d in sorted(EXCLUDED_DIRS))}",
         f"  (test suites, third-party packages, codec tables, generated code) and files over {MAX_FILE_BYTES:,} bytes",
         "  (generated tables). Empty files are dropped. Every pdflash install has both sources: torch is pinned.",

@@ -79,7 +79,7 @@ class TrainResult:
 
 def build_training_data(
     target: LoadedTarget, prompts: Sequence[Sequence[int]], *, response_tokens: int, tap_layers: Sequence[int],
-    generate: bool = True, batch: int = 32, progress: bool = False,
+    generate: bool = True, batch: int = 128, progress: bool = False,
 ) -> TrainingData:
     """Prompt + the target's own greedy continuation (or the given text) and its tap states.
 
