@@ -602,7 +602,9 @@ def drafter_card_lines(args) -> list[str]:
         f"of {st['batch_sequences']} sequences × {st['anchors_per_sequence']} random anchors in {stats['seconds'] / 60:.1f} min "
         f"({stats['threads']} CPU thread{'s' if stats['threads'] > 1 else ''}); position-weighted loss "
         f"{stats['first_loss']:.2f} → {stats['final_loss']:.2f}",
-        f"(mean of the last {stats['final_loss_steps']} steps). The command (`tools/build_bundled.py drafter` runs it):",
+        f"(mean of the last {stats['final_loss_steps']} steps). How the depth was chosen (on validation prompts, not the",
+        "benchmark's): [speculative.md](speculative.md#training-a-drafter-what-mattered-for-the-bundled-pair).",
+        "The command (`tools/build_bundled.py drafter` runs it):",
         "",
         "```",
         f"pdflash train-drafter --target {_shown(args.out)} --data <the training split's files> \\",
