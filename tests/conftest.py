@@ -11,8 +11,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 
-# One intra-op thread: the engine's lanes add threads of their own, and on a shared 2-core
-# machine oversubscribed OpenMP threads made single requests up to 100x slower.
+# One intra-op thread for the whole session (no test module needs to repeat it): the engine's
+# lanes add threads of their own, and on a shared 2-core machine oversubscribed OpenMP threads
+# made single requests up to 100x slower.
 torch.set_num_threads(1)
 
 from hf_fixtures import HF_CONFIGS, write_hf_checkpoint  # noqa: E402

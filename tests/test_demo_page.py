@@ -5,7 +5,6 @@ narrow window. Screenshots go to test-artifacts/ (gitignored) for a human to loo
 from pathlib import Path
 
 import pytest
-import torch
 
 from pdflash.engine import AsyncEngine
 from pdflash.server import BackgroundServer, ServerSettings, create_app
@@ -22,15 +21,12 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: OpenMP threads spinning against the browser would crawl
     drafter = write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_target)
     engine = AsyncEngine.from_pretrained(tiny_target, drafter, block_size=4,
                                          offload={"expert_cache_fraction": 0.5, "link_gbps": 16.0})
     app = create_app(engine, ServerSettings(model_name="tiny-demo", stats_interval_s=0.2))
     with BackgroundServer(app) as running:
         yield running
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

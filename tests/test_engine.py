@@ -8,7 +8,6 @@ import threading
 
 import anyio
 import pytest
-import torch
 from transitions import MachineError
 
 from pdflash.drafter import load_drafter
@@ -26,15 +25,6 @@ from pdflash.tiny import write_tiny_drafter
 PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63)), [7], list(range(100, 111)), [3, 1, 4, 1, 5, 9, 2, 6]]
 GREEDY = SamplingParams(max_tokens=12)
 DRAINED = dict(live_sequences=0, waiting=0, pending_demands=0, kv_bytes=0, pinned_experts=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Shared 2-core machines: intra-op threads spinning against other jobs cost 100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
@@ -24,15 +23,6 @@ from pdflash.tiny import write_tiny_drafter
 
 MODEL = "tiny"
 ERROR_FIELDS = {"message", "type", "param", "code"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """On 2 shared cores, 2 OpenMP threads spin against other jobs (a 30 ms request took 6 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import os
 import time
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
@@ -34,13 +33,10 @@ def rss_bytes() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_target):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: a second OpenMP thread only spins against the clients
     engine = AsyncEngine.from_pretrained(tiny_target, max_num_seqs=64, max_waiting=256)
     app = create_app(engine, ServerSettings(model_name="tiny", stats_interval_s=0.25))
     with BackgroundServer(app) as running:
         yield running
-    torch.set_num_threads(threads)
 
 
 async def run_client(url: str, prompts: list[str]) -> dict:
