@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdflash.attention import SHORT_BLOCK, attend
 from pdflash.checkpoint import Checkpoint, expert_byte_map
 from pdflash.config import ModelConfig
 from pdflash.errors import CheckpointError, ContextLimitError
@@ -19,6 +20,18 @@ from pdflash.tiny import write_tiny_target
 @pytest.fixture(scope="module")
 def model(tiny_target):
     return load_target(tiny_target).model
+
+
+@pytest.mark.parametrize("queries", [1, 8, SHORT_BLOCK + 1])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attend_matches_sdpa_with_grouped_heads(queries, masked):
+    g = torch.Generator().manual_seed(queries)
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((8, queries, 16), (2, 40 + queries, 16), (2, 40 + queries, 16)))
+    visible = torch.rand((queries, 40 + queries), generator=g) < 0.7 if masked else None
+    if masked:
+        visible[:, -1] = True  # every query sees at least one key
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+    torch.testing.assert_close(attend(q, k, v, visible), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_ragged_batch_equals_each_sequence_alone(model):

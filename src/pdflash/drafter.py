@@ -15,6 +15,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from pdflash.attention import attend
 from pdflash.checkpoint import Checkpoint
 from pdflash.config import ModelConfig, RopeConfig, read_config_json, rope_config
 from pdflash.errors import CheckpointError
@@ -120,13 +121,12 @@ class DraftLayer:
     input_norm: torch.Tensor  # [H]
     post_attention_norm: torch.Tensor  # [H]
     q_proj: torch.Tensor  # [heads*D, H]
-    k_proj: torch.Tensor  # [kv*D, H]
-    v_proj: torch.Tensor  # [kv*D, H]
+    kv_proj: torch.Tensor  # [2*kv*D, H]: k_proj and v_proj stacked (one matmul over context and block)
     o_proj: torch.Tensor  # [H, heads*D]
     q_norm: torch.Tensor  # [D]
     k_norm: torch.Tensor  # [D]
     mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [I,H], up [I,H], down [H,I]
-    biases: tuple[torch.Tensor | None, ...] = (None, None, None, None)  # q, k, v, o
+    biases: tuple[torch.Tensor | None, ...] = (None, None, None)  # q [heads*D], kv [2*kv*D], o [H]
 
 
 class DFlashDrafter:
@@ -162,10 +162,10 @@ class DFlashDrafter:
             cache.reserve(cache.length + c + b)
         ctx = rms_norm(F.linear(torch.cat(list(contexts)), self.fc), self.hidden_norm, cfg.rms_norm_eps)  # [C, H]
         x = F.embedding(torch.cat(list(blocks)), self.embed) * cfg.input_embedding_scale  # [Bt, H]
-        positions = torch.cat([
-            torch.arange(cache.length, cache.length + c + b, device=x.device)
-            for cache, c, b in zip(caches, ctx_lens, block_lens)
-        ])  # [C + Bt] per session: its context then its block
+        positions = torch.cat(
+            [torch.arange(cache.length, cache.length + c) for cache, c in zip(caches, ctx_lens)]
+            + [torch.arange(cache.length + c, cache.length + c + b) for cache, c, b in zip(caches, ctx_lens, block_lens)]
+        ).to(x.device)  # [C + Bt]: every session's context, then every session's block
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
@@ -174,41 +174,33 @@ class DFlashDrafter:
         for cache, c in zip(caches, ctx_lens):
             cache.advance(c)
         hidden = rms_norm(x, self.norm, cfg.rms_norm_eps)  # [Bt, H]
-        drafts_at = torch.cat([torch.arange(1, b) + off for b, off in zip(block_lens, _offsets(block_lens))])
-        logits = F.linear(hidden[drafts_at], self.lm_head).float() * cfg.output_multiplier  # [Bt - N, V]
+        # every block row, anchors included: on the CPU 8 rows multiply faster than the 7 drafted ones
+        logits = F.linear(hidden, self.lm_head).float() * cfg.output_multiplier  # [Bt, V]
         if cfg.logit_softcap:
             logits = torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
-        return list(logits.split([b - 1 for b in block_lens]))
+        return [block_logits[1:] for block_logits in logits.split(block_lens)]
 
     def _attention(self, index, layer: DraftLayer, ctx, h, cos, sin, caches, ctx_lens, block_lens):
         cfg = self.config
-        D = cfg.head_dim
-        q_bias, k_bias, v_bias, o_bias = layer.biases
+        D, C = cfg.head_dim, ctx.shape[0]
+        q_bias, kv_bias, o_bias = layer.biases
         q = rms_norm(F.linear(h, layer.q_proj, q_bias).view(-1, cfg.num_heads, D), layer.q_norm, cfg.rms_norm_eps)
-        k_ctx, k_blk = (F.linear(t, layer.k_proj, k_bias).view(-1, cfg.num_kv_heads, D) for t in (ctx, h))
-        v_ctx, v_blk = (F.linear(t, layer.v_proj, v_bias).view(-1, cfg.num_kv_heads, D) for t in (ctx, h))
+        k, v = F.linear(torch.cat([ctx, h]), layer.kv_proj, kv_bias).view(-1, 2, cfg.num_kv_heads, D).unbind(1)
+        k = apply_rotary(rms_norm(k, layer.k_norm, cfg.rms_norm_eps).transpose(0, 1), cos, sin)  # [kv, C+Bt, D]
+        v = v.transpose(0, 1)  # [kv, C+Bt, D]
+        q = apply_rotary(q.transpose(0, 1), cos[C:], sin[C:])  # [heads, Bt, D]
         causal, window = cfg.causal[index], cfg.sliding_window[index]
-        outputs, c0, b0, p0 = [], 0, 0, 0
+        outputs, c0, b0 = [], 0, 0
         for cache, c, b in zip(caches, ctx_lens, block_lens):
-            k = rms_norm(torch.cat([k_ctx[c0 : c0 + c], k_blk[b0 : b0 + b]]), layer.k_norm, cfg.rms_norm_eps)
-            v = torch.cat([v_ctx[c0 : c0 + c], v_blk[b0 : b0 + b]])  # [c+b, kv, D]
-            cos_s, sin_s = cos[p0 : p0 + c + b], sin[p0 : p0 + c + b]
-            k = apply_rotary(k.transpose(0, 1), cos_s, sin_s)  # [kv, c+b, D]
-            qs = apply_rotary(q[b0 : b0 + b].transpose(0, 1), cos_s[c:], sin_s[c:])  # [heads, b, D]
-            keys, values = cache.write(index, k, v.transpose(0, 1))  # [kv, past+c+b, D]
+            ctx_rows, block_rows = slice(c0, c0 + c), slice(C + b0, C + b0 + b)
+            keys, values = cache.write(
+                index, torch.cat([k[:, ctx_rows], k[:, block_rows]], dim=1), torch.cat([v[:, ctx_rows], v[:, block_rows]], dim=1)
+            )  # [kv, past+c+b, D]
             mask = _causal_mask(b, keys.shape[1], window, h.device) if causal else None
-            outputs.append(F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True))
-            c0, b0, p0 = c0 + c, b0 + b, p0 + c + b
+            outputs.append(attend(q[:, b0 : b0 + b], keys, values, mask))  # [heads, b, D]
+            c0, b0 = c0 + c, b0 + b
         attn = torch.cat(outputs, dim=1).transpose(0, 1).reshape(h.shape[0], cfg.num_heads * D)  # [Bt, heads*D]
         return F.linear(attn, layer.o_proj, o_bias)
-
-
-def _offsets(lengths: list[int]) -> list[int]:
-    out, total = [], 0
-    for n in lengths:
-        out.append(total)
-        total += n
-    return out
 
 
 def _causal_mask(queries: int, keys: int, window: int | None, device) -> torch.Tensor:
@@ -241,16 +233,18 @@ def load_drafter(directory: Path | str, target, *, progress: bool = False) -> DF
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         qd, kvd = cfg.num_heads * D, cfg.num_kv_heads * D
-        biases = (
-            tuple(load(p + f"self_attn.{n}_proj.bias", size) for n, size in zip("qkvo", (qd, kvd, kvd, H)))
-            if cfg.attention_bias else (None, None, None, None)
-        )
+        if cfg.attention_bias:
+            q_bias, k_bias, v_bias, o_bias = (
+                load(p + f"self_attn.{n}_proj.bias", size) for n, size in zip("qkvo", (qd, kvd, kvd, H))
+            )
+            biases = (q_bias, torch.cat([k_bias, v_bias]), o_bias)
+        else:
+            biases = (None, None, None)
         layers.append(DraftLayer(
             input_norm=load(p + "input_layernorm.weight", H),
             post_attention_norm=load(p + "post_attention_layernorm.weight", H),
             q_proj=load(p + "self_attn.q_proj.weight", qd, H),
-            k_proj=load(p + "self_attn.k_proj.weight", kvd, H),
-            v_proj=load(p + "self_attn.v_proj.weight", kvd, H),
+            kv_proj=torch.cat([load(p + "self_attn.k_proj.weight", kvd, H), load(p + "self_attn.v_proj.weight", kvd, H)]),
             o_proj=load(p + "self_attn.o_proj.weight", H, qd),
             q_norm=load(p + "self_attn.q_norm.weight", D),
             k_norm=load(p + "self_attn.k_norm.weight", D),

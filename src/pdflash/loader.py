@@ -61,16 +61,14 @@ def load_target(
     for i in tqdm(range(cfg.num_layers), desc="loading target", disable=not progress):
         p = f"model.layers.{i}."
         bias = (lambda name, n: load(p + f"self_attn.{name}.bias", n)) if cfg.attention_bias else (lambda *_: None)
+        qkv_sizes = {"q_proj": cfg.num_heads * D, "k_proj": cfg.num_kv_heads * D, "v_proj": cfg.num_kv_heads * D}
+        qkv_biases = [bias(name, n) for name, n in qkv_sizes.items()]
         attention = AttentionWeights(
-            q_proj=load(p + "self_attn.q_proj.weight", cfg.num_heads * D, H),
-            k_proj=load(p + "self_attn.k_proj.weight", cfg.num_kv_heads * D, H),
-            v_proj=load(p + "self_attn.v_proj.weight", cfg.num_kv_heads * D, H),
+            qkv_proj=torch.cat([load(p + f"self_attn.{name}.weight", n, H) for name, n in qkv_sizes.items()]),
             o_proj=load(p + "self_attn.o_proj.weight", H, cfg.num_heads * D),
             q_norm=load(p + "self_attn.q_norm.weight", D),
             k_norm=load(p + "self_attn.k_norm.weight", D),
-            q_bias=bias("q_proj", cfg.num_heads * D),
-            k_bias=bias("k_proj", cfg.num_kv_heads * D),
-            v_bias=bias("v_proj", cfg.num_kv_heads * D),
+            qkv_bias=torch.cat(qkv_biases) if cfg.attention_bias else None,
             o_bias=bias("o_proj", H),
         )
         router = dense = None

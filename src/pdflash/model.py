@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from pdflash.attention import attend
 from pdflash.config import ModelConfig
 from pdflash.experts import ExpertProvider
 from pdflash.kv_cache import KVCache
@@ -23,15 +24,11 @@ from pdflash.rope import Rotary, apply_rotary
 
 @attrs.frozen(kw_only=True)
 class AttentionWeights:
-    q_proj: torch.Tensor  # [heads*D, H]
-    k_proj: torch.Tensor  # [kv_heads*D, H]
-    v_proj: torch.Tensor  # [kv_heads*D, H]
+    qkv_proj: torch.Tensor  # [(heads + 2*kv_heads)*D, H]: q_proj, k_proj, v_proj stacked (one matmul)
     o_proj: torch.Tensor  # [H, heads*D]
     q_norm: torch.Tensor  # [D]
     k_norm: torch.Tensor  # [D]
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None  # [(heads + 2*kv_heads)*D]
     o_bias: torch.Tensor | None = None
 
 
@@ -154,23 +151,20 @@ class Qwen3MoeModel:
     def _attention(self, layer, w: AttentionWeights, h, cos, sin, caches, seq_lens) -> torch.Tensor:
         cfg = self.config
         T, D = h.shape[0], cfg.head_dim
-        q = F.linear(h, w.q_proj, w.q_bias).view(T, cfg.num_heads, D)
-        k = F.linear(h, w.k_proj, w.k_bias).view(T, cfg.num_kv_heads, D)
-        v = F.linear(h, w.v_proj, w.v_bias).view(T, cfg.num_kv_heads, D)
-        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [heads, T, D]
-        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps).transpose(0, 1)  # [kv_heads, T, D]
+        q, k, v = F.linear(h, w.qkv_proj, w.qkv_bias).split(
+            [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D], dim=-1
+        )
+        q = rms_norm(q.reshape(T, cfg.num_heads, D), w.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [heads, T, D]
+        k = rms_norm(k.reshape(T, cfg.num_kv_heads, D), w.k_norm, cfg.rms_norm_eps).transpose(0, 1)  # [kv, T, D]
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        v = v.transpose(0, 1)  # [kv_heads, T, D]
+        v = v.reshape(T, cfg.num_kv_heads, D).transpose(0, 1)  # [kv_heads, T, D]
         outputs, start = [], 0
         for cache, n in zip(caches, seq_lens):
             past = cache.length
             keys, values = cache.write(layer, k[:, start : start + n], v[:, start : start + n])  # [kv, past+n, D]
-            causal = torch.ones((n, past + n), dtype=torch.bool, device=h.device).tril(diagonal=past)
-            out = F.scaled_dot_product_attention(
-                q[:, start : start + n], keys, values, attn_mask=causal, enable_gqa=True
-            )  # [heads, n, D]
-            outputs.append(out)
+            causal = torch.ones((n, past + n), dtype=torch.bool, device=h.device).tril(diagonal=past) if n > 1 else None
+            outputs.append(attend(q[:, start : start + n], keys, values, causal))  # [heads, n, D]
             start += n
         attn = torch.cat(outputs, dim=1).transpose(0, 1).reshape(T, cfg.num_heads * D)  # [T, heads*D]
         return F.linear(attn, w.o_proj, w.o_bias)
