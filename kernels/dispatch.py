@@ -1,4 +1,8 @@
-"""Chooses the implementation of each kernel: Triton on CUDA, the torch reference elsewhere.
+"""Chooses the implementation of each kernel: Triton on CUDA, plain torch elsewhere.
+
+Off CUDA, a dense expert SwiGLU that routes to many experts runs `grouped_swiglu_torch`
+(grouped matmuls) and one that routes to few runs the per-expert loop of the reference, which
+has less bookkeeping; routing and MXFP4 experts run their torch references.
 
 The setting `PDFLASH_KERNELS` (`auto`, `triton`, `torch`) overrides the choice; tests force
 `triton` on the CPU under `TRITON_INTERPRET=1`. Triton modules are imported only when chosen,
@@ -11,11 +15,15 @@ import os
 
 import torch
 
-from kernels.grouped_swiglu import grouped_swiglu_reference
+from kernels.grouped_swiglu import grouped_swiglu_reference, grouped_swiglu_torch
 from kernels.mxfp4 import mxfp4_grouped_swiglu_reference, mxfp4_grouped_swiglu_triton
 from kernels.routing import Routing, route_reference
 
 BACKENDS = ("auto", "triton", "torch")
+# Routed experts from which grouped matmuls beat the per-expert loop on the CPU: the bundled
+# model's experts (H=256, I=64) cost the same either way at 10 routed and 1.3x less grouped at 20
+# (benchmarks/bench_kernels.py --device cpu with the bundled shapes).
+GROUPED_FROM_EXPERTS = 16
 
 
 def backend(device: torch.device) -> str:
@@ -41,6 +49,8 @@ def grouped_swiglu(x, routing, gate, up, down, slot_of_expert, out) -> None:
         from kernels.triton_swiglu import grouped_swiglu_triton
 
         grouped_swiglu_triton(x, routing, gate, up, down, slot_of_expert, out)
+    elif int(routing.union_mask.sum()) >= GROUPED_FROM_EXPERTS:
+        grouped_swiglu_torch(x, routing, gate, up, down, slot_of_expert, out)
     else:
         grouped_swiglu_reference(x, routing, gate, up, down, slot_of_expert, out)
 

@@ -12,7 +12,7 @@ import torch
 
 import kernels
 from kernels.dispatch import backend
-from kernels.grouped_swiglu import grouped_swiglu_reference
+from kernels.grouped_swiglu import grouped_swiglu_reference, grouped_swiglu_torch
 from kernels.mxfp4 import (
     FP4_VALUES,
     mxfp4_expert_layout,
@@ -110,10 +110,14 @@ def expert_weights(slots: int, hidden: int, inter: int, dtype: torch.dtype):
     return gate.to(dtype), up.to(dtype), down.to(dtype)
 
 
+SWIGLU_IMPLS = {"triton": grouped_swiglu_triton, "grouped_mm": grouped_swiglu_torch}
+
+
+@pytest.mark.parametrize("impl", SWIGLU_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_tokens", "hidden", "inter"), [(41, 64, 96), (3, 48, 32)])
-def test_grouped_swiglu_triton_matches_reference_on_ragged_routing(
-    dtype, num_tokens, hidden, inter
+def test_grouped_swiglu_matches_reference_on_ragged_routing(
+    impl, dtype, num_tokens, hidden, inter
 ):
     torch.manual_seed(num_tokens)
     num_experts, top_k = 12, 3
@@ -124,11 +128,12 @@ def test_grouped_swiglu_triton_matches_reference_on_ragged_routing(
     start = torch.randn(num_tokens, hidden)  # [T, H] out is accumulated into, not overwritten
     want, got = start.clone(), start.clone()
     grouped_swiglu_reference(x, routing, gate, up, down, slot_of_expert, want)
-    grouped_swiglu_triton(x, routing, gate, up, down, slot_of_expert, got)
+    SWIGLU_IMPLS[impl](x, routing, gate, up, down, slot_of_expert, got)
     assert_close_to_reference(got - start, want - start, dtype)
 
 
-def test_grouped_swiglu_triton_matches_reference_with_biases_and_routed_tokens():
+@pytest.mark.parametrize("impl", SWIGLU_IMPLS)
+def test_grouped_swiglu_matches_reference_with_biases_and_routed_tokens(impl):
     torch.manual_seed(1)
     num_tokens, num_experts, top_k, hidden, inter = 20, 8, 2, 32, 64
     routing = route_reference(torch.randn(num_tokens, num_experts), top_k, normalize=True)
@@ -142,7 +147,7 @@ def test_grouped_swiglu_triton_matches_reference_with_biases_and_routed_tokens()
     }
     want, got = torch.zeros(num_tokens, hidden), torch.zeros(num_tokens, hidden)
     grouped_swiglu_reference(x, routing, gate, up, down, slot_of_expert, want, **biases)
-    grouped_swiglu_triton(x, routing, gate, up, down, slot_of_expert, got, **biases)
+    SWIGLU_IMPLS[impl](x, routing, gate, up, down, slot_of_expert, got, **biases)
     assert_close_to_reference(got, want, torch.float32)
 
 
@@ -307,14 +312,16 @@ def test_backend_auto_picks_torch_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("setting", ["triton", "torch"])
-def test_dispatch_runs_the_chosen_backend(monkeypatch, setting):
+@pytest.mark.parametrize("num_experts", [6, 40])  # 40: the union passes GROUPED_FROM_EXPERTS
+def test_dispatch_runs_the_chosen_backend(monkeypatch, setting, num_experts):
     monkeypatch.setenv("PDFLASH_KERNELS", setting)
     torch.manual_seed(5)
-    num_tokens, num_experts, hidden, inter = 9, 6, 32, 32
+    num_tokens, hidden, inter = 30, 32, 32
     logits = torch.randn(num_tokens, num_experts)
     routing = kernels.route(logits, 2, True)
     want_routing = route_reference(logits, 2, True)
     assert torch.equal(routing.sorted_assignments, want_routing.sorted_assignments)
+    assert (int(routing.union_mask.sum()) >= kernels.dispatch.GROUPED_FROM_EXPERTS) == (num_experts == 40)
     slot_of_expert = torch.arange(num_experts)
     x = torch.randn(num_tokens, hidden)
     dense = expert_weights(num_experts, hidden, inter, torch.float32)
