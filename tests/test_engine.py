@@ -4,6 +4,7 @@ configuration and requests fail before anything runs, streams never block the lo
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import anyio
@@ -233,6 +234,21 @@ async def test_consumer_that_breaks_or_is_cancelled_aborts_its_request(make_engi
         stats = await drained(engine)
     assert ids == reference(PROMPTS[0])
     assert (stats.aborted, stats.finished) == (2, 1)
+
+
+@pytest.mark.asyncio
+async def test_stream_dropped_before_its_first_iteration_aborts_its_request(make_engine, reference):
+    async with make_engine() as engine:
+        engine.generate(PROMPTS[1], SamplingParams(max_tokens=200), request_id="dropped")  # never iterated
+        gc.collect()
+        for _ in range(100):  # the abort is scheduled on the loop by the collector
+            if "dropped" not in engine._seqs:
+                break
+            await anyio.sleep(0.01)
+        ids, _, _ = await collect(engine.generate(PROMPTS[0], GREEDY))
+        stats = await drained(engine)
+    assert ids == reference(PROMPTS[0])
+    assert (stats.aborted, stats.finished) == (1, 1) and stats.kv_bytes == 0
 
 
 # --- failure isolation ---------------------------------------------------------------------

@@ -8,10 +8,12 @@ expert provider is only asked to prefetch, to say what is resident, and for its 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
@@ -167,6 +169,7 @@ class AsyncEngine:
         self._lanes: Lanes | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._wakeup: anyio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the step loop's, for aborts from the collector
         self._owned: list[Any] = []  # closed on exit (a provider from_pretrained built)
         self.error: Exception | None = None  # what stopped the step loop, if a bug did
 
@@ -230,6 +233,7 @@ class AsyncEngine:
         if self._lanes is not None:
             raise EngineClosedError("an engine runs once: create a new one instead of re-entering it")
         self._lanes = Lanes.create(self.speculator.target.device)
+        self._loop = asyncio.get_running_loop()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         await self._task_group.start(self._run)
@@ -265,7 +269,8 @@ class AsyncEngine:
         """Queue a request and return its stream of output deltas.
 
         Everything is validated before the request is queued (ValueError; TypeError for a
-        wrong type). Breaking out of the iteration or cancelling the consumer aborts it.
+        wrong type). Breaking out of the iteration, cancelling the consumer or dropping the
+        stream (even un-started, once it is garbage collected) aborts it.
         """
         if self.error is not None:
             raise EngineClosedError(f"the engine's step loop stopped: {self.error!r}") from self.error
@@ -289,7 +294,19 @@ class AsyncEngine:
         self._waiting.append(seq)
         self._totals.requests += 1
         self._wake()
-        return self._stream(seq)
+        stream = self._stream(seq)
+        # an async generator dropped before its first step never runs its `finally`
+        weakref.finalize(stream, self._stream_collected, seq)
+        return stream
+
+    def _stream_collected(self, seq: Sequence) -> None:
+        """Runs inside the garbage collector, maybe mid-step: the abort waits for the loop."""
+        if seq.live and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._abort_if_live, seq)
+
+    def _abort_if_live(self, seq: Sequence) -> None:
+        if seq.live:
+            self._abort(seq)
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
         # No task group or cancel scope around the yield: the mailbox is awaited plainly.
