@@ -24,6 +24,25 @@ def humaneval_prompts(count: int) -> list[str]:
     return [p["prompt"] for p in list(read_problems().values())[:count]]
 
 
+def tau_by_repetition(token_ids: list[int], acceptance_lengths: list[int], n: int = 4) -> tuple[list[int], list[int]]:
+    """A request's round lengths, split by whether its output was already repeating itself.
+
+    A round counts as repeating when the n-gram ending at its anchor (the last token emitted
+    before it) occurred earlier in the same output: the drafter then only has to copy, so
+    loops inflate τ. Decided before the round, so the split does not favour short rounds.
+    """
+    seen, repeating_at = set(), []
+    for end in range(len(token_ids)):
+        gram = tuple(token_ids[max(0, end - n + 1) : end + 1])
+        repeating_at.append(len(gram) == n and gram in seen)
+        seen.add(gram)
+    fresh, repeating, emitted = [], [], 1  # the prefill emits the first token
+    for length in acceptance_lengths:
+        (repeating if repeating_at[emitted - 1] else fresh).append(length)
+        emitted += length
+    return fresh, repeating
+
+
 def run(spec, ids_list, params):
     from pdflash.speculator import speculative_generate
 
@@ -59,7 +78,7 @@ def main() -> None:
     greedy = SamplingParams(max_tokens=args.max_tokens)
     run(dflash, prompts[:1], greedy), run(plain, prompts[:1], greedy)  # warm-up
 
-    spec_rate, ar_rate, taus, mismatches = [], [], [], 0
+    spec_rate, ar_rate, taus, mismatches, fresh, repeating = [], [], [], 0, [], []
     round_ms = {"dflash_round": [], "dflash_verify": [], "ar_step": [], "ar_forward": []}  # per prompt
     for ids in tqdm(prompts, desc="greedy, side by side"):
         (s,), (a,) = run(dflash, [ids], greedy), run(plain, [ids], greedy)
@@ -67,6 +86,8 @@ def main() -> None:
         spec_rate.append(s.stats["tokens_per_second"])
         ar_rate.append(a.stats["tokens_per_second"])
         taus += s.acceptance_lengths
+        split = tau_by_repetition(list(s.token_ids), list(s.acceptance_lengths))
+        fresh, repeating = fresh + split[0], repeating + split[1]
         for name, r in (("dflash", s), ("ar", a)):
             decode = r.stats["seconds"] - r.stats["time_to_first_token_seconds"]
             round_ms["dflash_round" if name == "dflash" else "ar_step"].append(1e3 * decode / r.stats["rounds"])
@@ -81,6 +102,9 @@ def main() -> None:
           f"{args.threads} threads, no accelerator")
     print(f"target {target_dir}; {len(prompts)} HumanEval prompts, {args.max_tokens} new tokens, block {args.block_size}")
     print(f"greedy τ (mean acceptance length): {statistics.mean(taus):.2f} over {len(taus)} rounds")
+    print(f"greedy τ by whether the output was already repeating a 4-gram when the round began: "
+          f"not repeating {statistics.mean(fresh):.2f} over {len(fresh)} rounds, "
+          f"repeating {statistics.mean(repeating) if repeating else 0:.2f} over {len(repeating)} rounds")
     print(f"sampled τ at T={args.sample_temperature}: {statistics.mean(sampled):.2f} over {len(sampled)} rounds")
     print(f"decode tokens/s, median [min-max]: DFlash {statistics.median(spec_rate):.1f} "
           f"[{min(spec_rate):.1f}-{max(spec_rate):.1f}], AR {statistics.median(ar_rate):.1f} "
@@ -97,6 +121,9 @@ def main() -> None:
             "threads": args.threads, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
             "prompts": len(prompts), "max_tokens": args.max_tokens, "block_size": args.block_size,
             "greedy_tau": statistics.mean(taus), "greedy_rounds": len(taus),
+            "greedy_tau_fresh": statistics.mean(fresh), "greedy_rounds_fresh": len(fresh),
+            "greedy_tau_repeating": statistics.mean(repeating) if repeating else 0.0,
+            "greedy_rounds_repeating": len(repeating),
             "sampled_temperature": args.sample_temperature, "sampled_tau": statistics.mean(sampled),
             "sampled_rounds": len(sampled),
             "dflash_tokens_per_second": spec_rate, "ar_tokens_per_second": ar_rate, "speedups": ratios,

@@ -630,6 +630,10 @@ def drafter_card_lines(args) -> list[str]:
             "| | value |",
             "| --- | --- |",
             f"| greedy τ (mean tokens per verify round, bonus included) | **{b['greedy_tau']:.2f}** ({b['greedy_rounds']:,} rounds) |",
+            f"| greedy τ of rounds begun while the output was not repeating a 4-gram | {b['greedy_tau_fresh']:.2f} "
+            f"({b['greedy_rounds_fresh']:,} rounds) |",
+            f"| greedy τ of rounds begun inside a repeat (the drafter only has to copy) | "
+            f"{b['greedy_tau_repeating']:.2f} ({b['greedy_rounds_repeating']:,} rounds) |",
             f"| sampled τ at temperature {b['sampled_temperature']:g} | {b['sampled_tau']:.2f} ({b['sampled_rounds']:,} rounds) |",
             f"| decode tokens/s, DFlash, median [min–max] | {statistics.median(spec):.1f} [{min(spec):.1f}–{max(spec):.1f}] |",
             f"| decode tokens/s, autoregressive | {statistics.median(ar):.1f} [{min(ar):.1f}–{max(ar):.1f}] |",
