@@ -69,6 +69,15 @@ def check_dense_weights(
             raise ValueError(f"{name} dtype {weight.dtype} differs from x dtype {x.dtype}")
 
 
+def check_dense_swiglu(x, routing, gate, up, down, slot_of_expert, out, biases: dict) -> None:
+    """Every check a dense grouped SwiGLU runs: weights, routing, slots, out and biases."""
+    check_dense_weights(x, gate, up, down)
+    check_swiglu_args(
+        x, routing, slot_of_expert, out,
+        num_slots=gate.shape[0], intermediate_size=gate.shape[1], biases=biases,
+    )
+
+
 def grouped_swiglu_reference(
     x: torch.Tensor,  # [T, H] hidden states of the batch
     routing: Routing,
@@ -82,12 +91,8 @@ def grouped_swiglu_reference(
     up_bias: torch.Tensor | None = None,  # [S, I]
     down_bias: torch.Tensor | None = None,  # [S, H]
 ) -> None:
-    check_dense_weights(x, gate, up, down)
     biases = {"gate_bias": gate_bias, "up_bias": up_bias, "down_bias": down_bias}
-    check_swiglu_args(
-        x, routing, slot_of_expert, out,
-        num_slots=gate.shape[0], intermediate_size=gate.shape[1], biases=biases,
-    )
+    check_dense_swiglu(x, routing, gate, up, down, slot_of_expert, out, biases)
     top_k = routing.topk_ids.shape[1]
     offsets = routing.expert_offsets.tolist()
     slots = slot_of_expert.tolist()
@@ -133,12 +138,8 @@ def grouped_swiglu_torch(
     expert, and an 8-token verify block routes about 20 of 32 experts per layer; three grouped
     matmuls over all slots cost 2.2x less there (benchmarks/bench_kernels.py).
     """
-    check_dense_weights(x, gate, up, down)
     biases = {"gate_bias": gate_bias, "up_bias": up_bias, "down_bias": down_bias}
-    check_swiglu_args(
-        x, routing, slot_of_expert, out,
-        num_slots=gate.shape[0], intermediate_size=gate.shape[1], biases=biases,
-    )
+    check_dense_swiglu(x, routing, gate, up, down, slot_of_expert, out, biases)
     num_slots, top_k = gate.shape[0], routing.topk_ids.shape[1]
     slot = slot_of_expert[routing.topk_ids.flatten()]  # [T*K] slot of each assignment, -1 = skipped
     slot = torch.where(slot < 0, num_slots, slot)  # skipped assignments sort after every slot

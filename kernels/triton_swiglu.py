@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.grouped_swiglu import check_dense_weights, check_swiglu_args
+from kernels.grouped_swiglu import check_dense_swiglu
 from kernels.routing import Routing
 
 
@@ -239,11 +239,9 @@ def grouped_swiglu_triton(
     down_bias: torch.Tensor | None = None,  # [S, H]
 ) -> None:
     """Same contract as `grouped_swiglu_reference`."""
-    check_dense_weights(x, gate, up, down)
     biases = (gate_bias, up_bias, down_bias)
-    check_swiglu_args(
-        x, routing, slot_of_expert, out, num_slots=gate.shape[0], intermediate_size=gate.shape[1],
-        biases=dict(zip(("gate_bias", "up_bias", "down_bias"), biases)),
+    check_dense_swiglu(
+        x, routing, gate, up, down, slot_of_expert, out, dict(zip(("gate_bias", "up_bias", "down_bias"), biases))
     )
     launch_grouped_swiglu(
         x, routing, slot_of_expert, out, (gate, up, down), None, biases, gate.shape[1]
