@@ -487,6 +487,17 @@ def test_marginal_mode_charges_shared_experts_once_per_tick():
     assert out.admitted_ids == ("a", "b", "c") and out.carried == Deficit2D(4, 0)
 
 
+def test_marginal_charge_follows_a_re_registered_union():
+    byte_map = {(0, e): 40 for e in range(8)} | {(1, e): 25 for e in range(8)}  # two expert sizes
+    sched = two_d(charge_mode="marginal")
+    sched.register("a", 4, union={(0, e) for e in range(4)}, full_bytes=160)  # 160 > 80 + carried
+    assert sched.tick(resident=set(), in_flight_union=set(), byte_map=byte_map).admitted_ids == ()
+    sched.register("a", 4, union={(0, 0), (1, 0), (1, 1)}, full_bytes=90)  # re-drafted: 40 of it resident
+    out = sched.tick(resident={(0, 0)}, in_flight_union=set(), byte_map=byte_map)
+    assert out.admitted_ids == ("a",) and sched.stats().admitted == 1
+    assert sched._admitted["a"].charge == Deficit2D(4, 50)
+
+
 @pytest.mark.asyncio
 async def test_token_only_mode_ignores_bytes():
     sched = VerifyScheduler(token_budget=16, token_cap=32)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
 from typing import Protocol
 
 import anyio
 import anyio.lowlevel
 import attrs
+import numpy as np
 
 Expert = tuple[int, int]  # (layer index, expert index)
 
@@ -144,6 +145,44 @@ class Chargeable(Protocol):
     fetch_bytes: int  # bytes of `union` not resident at projection time
 
 
+class ExpertMasks:
+    """Sets of experts as int bitmasks over one byte map: the marginal charge in big-int operations.
+
+    As sets, charging one pending union is a set difference over its experts (about 75 ms per
+    tick for 256 Qwen3-30B-A3B-sized unions of ~2,500 experts on one CPU core). As masks it is
+    an and-not and one popcount per distinct expert size; a union becomes a mask once, when its
+    verify is first charged (bench_admission.py times both parts).
+    """
+
+    def __init__(self, byte_map: Mapping[Expert, int]) -> None:
+        self.byte_map = byte_map
+        self._bit = {expert: i for i, expert in enumerate(byte_map)}
+        by_size: dict[int, list[Expert]] = defaultdict(list)
+        for expert, size in byte_map.items():
+            by_size[size].append(expert)
+        self._sizes = tuple((size, self.mask(experts)) for size, experts in by_size.items())
+
+    def mask(self, experts: Iterable[Expert]) -> int:
+        """The mask of `experts`; KeyError for an expert the byte map lacks."""
+        flags = np.zeros(len(self._bit), dtype=bool)
+        flags[np.fromiter(map(self._bit.__getitem__, experts), dtype=np.int64)] = True
+        return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+
+    def nbytes(self, mask: int) -> int:
+        """Σ of the byte map over the experts in `mask`."""
+        return sum(size * (mask & members).bit_count() for size, members in self._sizes)
+
+
+def marginal_charges(masks: ExpertMasks, unions: Sequence[int], covered: int) -> list[int]:
+    """What each union (a mask, in admission order) adds to `covered` and the unions before it."""
+    charges = []
+    for union in unions:
+        new = union & ~covered
+        charges.append(masks.nbytes(new))
+        covered |= new
+    return charges
+
+
 def charge_bytes(
     pending: Sequence[Chargeable],
     mode: ChargeMode | str,
@@ -160,9 +199,8 @@ def charge_bytes(
     is one-sided: when an earlier candidate is skipped, a later one that shares its experts
     is undercharged by exactly those shared bytes, so a tick may move more bytes than its
     budget by at most what admitted demands share with skipped ones ahead of them; that
-    excess is never charged to a later tick either.
-    Cost: one set difference per candidate (about 75 ms per tick for 256 pending
-    Qwen3-30B-A3B unions of ~2,500 experts on one CPU core; see bench_admission.py).
+    excess is never charged to a later tick either. The scheduler keeps each union's mask
+    across ticks; this function builds them afresh.
     """
     mode = ChargeMode(mode)
     if mode is ChargeMode.FULL:
@@ -171,14 +209,9 @@ def charge_bytes(
         return [p.fetch_bytes for p in pending]
     if byte_map is None:
         raise ValueError("charge mode 'marginal' needs the byte map; got byte_map=None")
-    covered = set(resident)  # grows by each candidate's union, in order
-    covered |= in_flight
-    charges = []
-    for p in pending:
-        new = p.union - covered
-        charges.append(sum(map(byte_map.__getitem__, new)))
-        covered |= new
-    return charges
+    masks = ExpertMasks(byte_map)
+    covered = masks.mask(resident) | masks.mask(in_flight)
+    return marginal_charges(masks, [masks.mask(p.union) for p in pending], covered)
 
 
 # --- the async scheduler ------------------------------------------------------------------
@@ -243,6 +276,13 @@ class _Entry:
     skipped_ticks: int = 0  # ticks that passed it over
     admitted_tick: int = -1  # tick number that admitted it
     charge: Deficit2D = Deficit2D(0, 0)  # (tokens, bytes) charged when admitted
+    _mask: tuple[VerifyRequest, ExpertMasks, int] | None = None  # its union's mask, and for what
+
+    def union_mask(self, masks: ExpertMasks) -> int:
+        """Its request's union as a mask of `masks`, built once per registration."""
+        if self._mask is None or self._mask[0] is not self.request or self._mask[1] is not masks:
+            self._mask = (self.request, masks, masks.mask(self.request.union))
+        return self._mask[2]
 
 
 @attrs.frozen
@@ -310,6 +350,7 @@ class VerifyScheduler:
         self._admitted_total = 0
         self._waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
         self._last_tick_s: float | None = None
+        self._masks: ExpertMasks | None = None  # over the byte map the last tick was given
 
     # -- configuration checks --
 
@@ -466,8 +507,13 @@ class VerifyScheduler:
     def _charges(self, entries, resident, in_flight_union, byte_map) -> list[int]:
         if self.token_only:
             return [0] * len(entries)
-        requests = [e.request for e in entries]
-        return charge_bytes(requests, self.charge_mode, byte_map, resident, in_flight_union)
+        if self.charge_mode is not ChargeMode.MARGINAL or byte_map is None:  # None: charge_bytes says why
+            return charge_bytes([e.request for e in entries], self.charge_mode, byte_map, resident, in_flight_union)
+        if self._masks is None or self._masks.byte_map is not byte_map:
+            self._masks = ExpertMasks(byte_map)
+        masks = self._masks
+        unions = [e.union_mask(masks) for e in entries]
+        return marginal_charges(masks, unions, masks.mask(resident) | masks.mask(in_flight_union))
 
     @staticmethod
     def _as_demands(entries, charges, n_seated: int) -> list[VerifyDemand]:
