@@ -24,7 +24,7 @@ import anyio.abc
 import anyio.lowlevel
 import attrs
 
-from pdflash.lanes import Lane, Lanes
+from pdflash.lanes import Lane, Lanes, off_thread
 from pdflash.outputs import RequestOutput, TextStream
 from pdflash.projection import ExpertKey
 from pdflash.sampling import SamplingParams
@@ -191,7 +191,9 @@ class AsyncEngine:
 
         `offload`: keywords of `pdflash.offload.load_offloaded_target` (expert_cache_fraction,
         link_gbps, ...) to serve experts from the host store; its provider is closed on exit.
-        `config`: EngineConfig fields. Loading is synchronous (before the engine starts).
+        `config`: EngineConfig fields. Loading is synchronous (before the engine starts) and
+        runs on a short-lived thread, so the caller's thread never starts torch's OpenMP team
+        (it would slow the lanes' forwards: see pdflash.lanes).
         """
         from pdflash.bundled import default_drafter, default_target
         from pdflash.drafter import load_drafter
@@ -208,12 +210,14 @@ class AsyncEngine:
         if offload is not None:
             from pdflash.offload import load_offloaded_target
 
-            loaded = load_offloaded_target(target, dtype=dtype, device=device, progress=progress, **offload)
+            loaded = off_thread(lambda: load_offloaded_target(
+                target, dtype=dtype, device=device, progress=progress, **offload))
             provider = loaded.model.experts
         else:
-            loaded, provider = load_target(target, dtype=dtype, device=device, progress=progress), None
+            loaded, provider = off_thread(lambda: load_target(target, dtype=dtype, device=device, progress=progress)), None
         try:
-            draft_model = load_drafter(drafter, loaded.model, progress=progress) if drafter is not None else None
+            draft_model = (off_thread(lambda: load_drafter(drafter, loaded.model, progress=progress))
+                           if drafter is not None else None)
             speculator = Speculator(
                 loaded.model, draft_model, expert_nbytes=loaded.expert_nbytes, projector=projector,
                 block_size=block_size, resident=provider.resident if provider is not None else frozenset,
