@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 
 import anyio
 import attrs
@@ -16,6 +17,7 @@ from pdflash.scheduler import (
     AdmissionCancelled,
     ChargeMode,
     Deficit2D,
+    ExpertMasks,
     VerifyAdmission,
     VerifyDemand,
     VerifyScheduler,
@@ -357,6 +359,19 @@ def test_marginal_charges_sum_to_the_bytes_of_the_new_union(unions, resident, in
     new = frozenset().union(*unions) - resident - in_flight
     assert sum(charges) == sum(BYTE_MAP[e] for e in new)
     assert all(0 <= c <= p.full_bytes for c, p in zip(charges, pending))
+
+
+@pytest.mark.parametrize("size", [0, 10, ExpertMasks.SMALL + 1, 300])  # both ways of building a mask
+def test_expert_masks_sum_the_byte_map_over_any_union(size):
+    byte_map = {(layer, e): 100 + 7 * (e % 2) for layer in range(5) for e in range(128)}  # two expert sizes
+    rng = random.Random(size)
+    union = rng.sample(sorted(byte_map), size)
+    masks = ExpertMasks(byte_map)
+    assert masks.nbytes(masks.mask(union)) == sum(byte_map[e] for e in union)
+    half = len(union) // 2
+    assert masks.mask(union) == masks.mask(union[:half]) | masks.mask(union[half:])
+    with pytest.raises(KeyError):
+        masks.mask([*union, (9, 9)])
 
 
 def test_charge_mode_defaults_to_marginal():
