@@ -517,7 +517,8 @@ def stage_drafter(args) -> dict:
     files = [str(p) for p in split_paths(load_split(args), "train")]
     options = ["--layers", str(args.drafter_layers), "--block-size",
                str(args.block_size), "--tap-layers", *map(str, args.drafter_taps), "--steps", str(args.drafter_steps),
-               "--minutes", f"{args.drafter_minutes:g}", "--sequences", str(args.drafter_sequences),
+               *(["--minutes", f"{args.drafter_minutes:g}"] if args.drafter_minutes else []),
+               "--sequences", str(args.drafter_sequences),
                "--prompt-tokens", str(args.drafter_prompt_tokens), "--response-tokens",
                str(args.drafter_response_tokens), "--batch", str(args.drafter_batch), "--anchors",
                str(args.drafter_anchors), "--lr", f"{args.drafter_lr:g}", "--seed", str(args.seed)]
@@ -851,7 +852,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--block-size", type=int, default=8)
     g.add_argument("--drafter-layers", type=int, default=2)
     g.add_argument("--drafter-taps", type=int, nargs="+", default=[0, 1, 2, 3], help="target layers feeding the drafter")
-    g.add_argument("--drafter-minutes", type=float, default=50.0, help="training wall-time budget")
+    g.add_argument("--drafter-minutes", type=float, default=50.0,
+                   help="training wall-time budget (0: none, the step budget alone decides)")
     g.add_argument("--drafter-steps", type=int, default=100_000, help="step budget (the first budget hit ends)")
     g.add_argument("--drafter-sequences", type=int, default=12288, help="target continuations to train on")
     g.add_argument("--drafter-prompt-tokens", type=int, default=64)
