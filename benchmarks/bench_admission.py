@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 
-from pdflash.scheduler import (
+from pdflash.engine.scheduler import (
     ChargeMode,
     Deficit2D,
     ExpertMasks,

@@ -25,10 +25,10 @@ def main() -> None:
 
     from transformers import Qwen3MoeForCausalLM
 
-    from pdflash.generate import generate_autoregressive
-    from pdflash.loader import load_target
+    from pdflash.target.generate import generate_autoregressive
+    from pdflash.target.loader import load_target
     from pdflash.sampling import SamplingParams
-    from pdflash.tiny import write_tiny_target
+    from pdflash.target.tiny import write_tiny_target
 
     target = args.target or write_tiny_target(tempfile.mkdtemp())
     ours = load_target(target).model

@@ -45,7 +45,7 @@ def tau_by_repetition(token_ids: list[int], acceptance_lengths: list[int], n: in
 
 
 def run(spec, ids_list, params):
-    from pdflash.speculator import speculative_generate
+    from pdflash.spec.speculator import speculative_generate
 
     return [speculative_generate(spec, ids, params) for ids in ids_list]
 
@@ -66,10 +66,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from pdflash.bundled import default_drafter, default_target
-    from pdflash.drafter import load_drafter
-    from pdflash.loader import load_target
+    from pdflash.spec.drafter import load_drafter
+    from pdflash.target.loader import load_target
     from pdflash.sampling import SamplingParams
-    from pdflash.speculator import Speculator
+    from pdflash.spec.speculator import Speculator
 
     target_dir = args.target or default_target()
     loaded = load_target(target_dir)

@@ -29,9 +29,9 @@ import anyio
 import torch
 from tqdm import tqdm
 
-from pdflash.engine import AsyncEngine, largest_block_union_bytes
+from pdflash.engine.async_engine import AsyncEngine, largest_block_union_bytes
 from pdflash.sampling import SamplingParams
-from pdflash.scheduler import VerifyScheduler
+from pdflash.engine.scheduler import VerifyScheduler
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:
@@ -136,7 +136,7 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
 
     if args.target is None:
-        from pdflash.tiny import write_tiny_drafter, write_tiny_target
+        from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
 
         scratch = Path(tempfile.mkdtemp(prefix="bench-engine-"))
         args.target = write_tiny_target(scratch / "target")

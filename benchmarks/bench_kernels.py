@@ -64,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda needs a CUDA GPU; none found")
         return 0
     torch.set_num_threads(args.threads)
-    from kernels.grouped_swiglu import grouped_swiglu_reference, grouped_swiglu_torch
-    from kernels.routing import route_reference
+    from pdflash.kernels.grouped_swiglu import grouped_swiglu_reference, grouped_swiglu_torch
+    from pdflash.kernels.routing import route_reference
 
     if device.type == "cuda":
-        from kernels.triton_swiglu import grouped_swiglu_triton as grouped
+        from pdflash.kernels.triton_swiglu import grouped_swiglu_triton as grouped
 
         name, where = "triton", torch.cuda.get_device_name()
     else:

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pdflash.config import ModelConfig
-from pdflash.drafter import load_drafter
+from pdflash.target.config import ModelConfig
+from pdflash.spec.drafter import load_drafter
 from pdflash.offload import POLICIES, Priority, load_offloaded_target
 from pdflash.sampling import SamplingParams
-from pdflash.speculator import Speculator
-from pdflash.tiny import write_tiny_drafter, write_tiny_target
+from pdflash.spec.speculator import Speculator
+from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
 
 BENCH_TARGET = {"hidden_size": 128, "moe_intermediate_size": 256, "num_hidden_layers": 6}  # 384 KiB experts
 

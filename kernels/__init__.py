@@ -1,18 +1,18 @@
 """Expert kernels for the verify block: routing, grouped expert SwiGLU, MXFP4 experts.
 
 Each kernel has a plain-torch reference beside its Triton implementation; the functions
-exported here dispatch between them (see `kernels.dispatch`).
+exported here dispatch between them (see `pdflash.kernels.dispatch`).
 """
 
-from kernels.dispatch import backend, grouped_swiglu, mxfp4_grouped_swiglu, route
-from kernels.mxfp4 import (
+from pdflash.kernels.dispatch import backend, grouped_swiglu, mxfp4_grouped_swiglu, route
+from pdflash.kernels.mxfp4 import (
     mxfp4_expert_layout,
     mxfp4_expert_nbytes,
     pack_mxfp4,
     payload_nbytes,
     unpack_mxfp4,
 )
-from kernels.routing import Routing
+from pdflash.kernels.routing import Routing
 
 __all__ = [
     "Routing",

@@ -6,7 +6,7 @@ has less bookkeeping; routing and MXFP4 experts run their torch references.
 
 The setting `PDFLASH_KERNELS` (`auto`, `triton`, `torch`) overrides the choice; tests force
 `triton` on the CPU under `TRITON_INTERPRET=1`. Triton modules are imported only when chosen,
-so `import kernels` does not import triton.
+so `import pdflash.kernels` does not import triton.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import os
 
 import torch
 
-from kernels.grouped_swiglu import grouped_swiglu_reference, grouped_swiglu_torch
-from kernels.mxfp4 import mxfp4_grouped_swiglu_reference, mxfp4_grouped_swiglu_triton
-from kernels.routing import Routing, route_reference
+from pdflash.kernels.grouped_swiglu import grouped_swiglu_reference, grouped_swiglu_torch
+from pdflash.kernels.mxfp4 import mxfp4_grouped_swiglu_reference, mxfp4_grouped_swiglu_triton
+from pdflash.kernels.routing import Routing, route_reference
 
 BACKENDS = ("auto", "triton", "torch")
 # Routed experts from which grouped matmuls beat the per-expert loop on the CPU. Measured on
@@ -39,7 +39,7 @@ def backend(device: torch.device) -> str:
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> Routing:
     if backend(router_logits.device) == "triton":
-        from kernels.triton_routing import route_triton
+        from pdflash.kernels.triton_routing import route_triton
 
         return route_triton(router_logits, top_k, normalize)
     return route_reference(router_logits, top_k, normalize)
@@ -47,7 +47,7 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> Routing:
 
 def grouped_swiglu(x, routing, gate, up, down, slot_of_expert, out) -> None:
     if backend(x.device) == "triton":
-        from kernels.triton_swiglu import grouped_swiglu_triton
+        from pdflash.kernels.triton_swiglu import grouped_swiglu_triton
 
         grouped_swiglu_triton(x, routing, gate, up, down, slot_of_expert, out)
     elif int(routing.union_mask.sum()) >= GROUPED_FROM_EXPERTS:

@@ -3,7 +3,7 @@
 Two implementations of one contract. `grouped_swiglu_reference` walks the routed experts
 one by one (the readable oracle every other implementation is tested against);
 `grouped_swiglu_torch` does the same work in three `grouped_mm` calls and is what runs off
-CUDA. The Triton kernels in `kernels.triton_swiglu` do it in one launch per matmul stage.
+CUDA. The Triton kernels in `pdflash.kernels.triton_swiglu` do it in one launch per matmul stage.
 Also owns the shape checks that every implementation runs on its arguments.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.routing import Routing
+from pdflash.kernels.routing import Routing
 
 
 def check_swiglu_args(
@@ -136,7 +136,7 @@ def grouped_swiglu_torch(
 
     On the CPU the reference's loop pays a few operator launches per routed expert; three
     grouped matmuls over all slots cost a fixed amount instead, which is less once a batch
-    routes to about a third of the experts (`kernels.dispatch.GROUPED_FROM_EXPERTS`).
+    routes to about a third of the experts (`pdflash.kernels.dispatch.GROUPED_FROM_EXPERTS`).
     """
     biases = {"gate_bias": gate_bias, "up_bias": up_bias, "down_bias": down_bias}
     check_dense_swiglu(x, routing, gate, up, down, slot_of_expert, out, biases)

@@ -2,7 +2,7 @@
 
 Owns the format: packing and unpacking, the layout and payload byte count of one expert, and the
 grouped SwiGLU over MXFP4 experts (torch reference; the Triton path decodes blocks in registers
-inside the GEMMs of `kernels.triton_swiglu`, imported lazily so the format itself needs no triton).
+inside the GEMMs of `pdflash.kernels.triton_swiglu`, imported lazily so the format itself needs no triton).
 
 A [..., K] tensor is stored as blocks [..., K/32, 16] uint8 holding two codes a byte (low nibble =
 even element, high nibble = odd element) and scales [..., K/32] uint8 meaning 2^(byte - 127).
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.grouped_swiglu import check_swiglu_args, grouped_swiglu_reference
-from kernels.routing import Routing
+from pdflash.kernels.grouped_swiglu import check_swiglu_args, grouped_swiglu_reference
+from pdflash.kernels.routing import Routing
 
 BLOCK_SIZE = 32  # values sharing one scale byte
 FP4_MAX = 6.0
@@ -183,7 +183,7 @@ def mxfp4_grouped_swiglu_triton(
     down_bias: torch.Tensor | None = None,
 ) -> None:
     """Same contract as `mxfp4_grouped_swiglu_reference`; decodes the blocks inside the GEMMs."""
-    from kernels.triton_swiglu import launch_grouped_swiglu  # lazy: needs triton
+    from pdflash.kernels.triton_swiglu import launch_grouped_swiglu  # lazy: needs triton
 
     num_slots, inter = check_mxfp4_weights(
         x, gate_blocks, gate_scales, up_blocks, up_scales, down_blocks, down_scales

@@ -1,7 +1,7 @@
 """Routing of tokens to experts: top-k selection and the token→expert permutation.
 
 Owns the `Routing` value object that the MoE layer, the byte projection and the prefetcher
-consume. Plain torch; the Triton variant lives in `kernels.triton_routing`.
+consume. Plain torch; the Triton variant lives in `pdflash.kernels.triton_routing`.
 """
 
 from __future__ import annotations

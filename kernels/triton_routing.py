@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.routing import Routing, permutation
+from pdflash.kernels.routing import Routing, permutation
 
 _TILE_ELEMENTS = 4096  # logits held by one program: BLOCK_T * BLOCK_E
 

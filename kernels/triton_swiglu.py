@@ -11,7 +11,7 @@ A token tile is up to BLOCK_M consecutive assignments of one expert in `sorted_a
 tile table is built on the device with torch ops (no host sync), sized by an upper bound; spare
 programs return at once. Experts whose slot is -1 or that have no tokens get no tiles.
 
-Weights are dense [S, R, C] in x's dtype, or MXFP4 (see `kernels.mxfp4`): blocks [S, R, C/32, 16]
+Weights are dense [S, R, C] in x's dtype, or MXFP4 (see `pdflash.kernels.mxfp4`): blocks [S, R, C/32, 16]
 and scales [S, R, C/32], decoded tile by tile in registers, never written out whole.
 """
 
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.grouped_swiglu import check_dense_swiglu
-from kernels.routing import Routing
+from pdflash.kernels.grouped_swiglu import check_dense_swiglu
+from pdflash.kernels.routing import Routing
 
 
 @triton.jit

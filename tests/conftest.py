@@ -17,7 +17,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from hf_fixtures import HF_CONFIGS, write_hf_checkpoint  # noqa: E402
-from pdflash.tiny import write_tiny_target  # noqa: E402
+from pdflash.target.tiny import write_tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=sorted(HF_CONFIGS))

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pdflash.cli import main
-from pdflash.tiny import write_tiny_drafter
+from pdflash.target.tiny import write_tiny_drafter
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_offload_flags_keep_tokens_and_report_traffic(capsys, tiny_target, draft
 
 
 def test_train_drafter_writes_stats_and_reuses_its_data_cache(capsys, tiny_target, tmp_path, monkeypatch):
-    import pdflash.train
+    import pdflash.spec.train
 
     text = tmp_path / "corpus.py"
     text.write_text("def add(a, b):\n    return a + b\n" * 40)
@@ -81,8 +81,8 @@ def test_train_drafter_writes_stats_and_reuses_its_data_cache(capsys, tiny_targe
     assert figures["settings"]["anchors_per_sequence"] == 2 and cache.is_file()
 
     built = []
-    real_build = pdflash.train.build_training_data
-    monkeypatch.setattr(pdflash.train, "build_training_data", lambda *a, **k: built.append(1) or real_build(*a, **k))
+    real_build = pdflash.spec.train.build_training_data
+    monkeypatch.setattr(pdflash.spec.train, "build_training_data", lambda *a, **k: built.append(1) or real_build(*a, **k))
     train("--lr", "1e-4")  # a training option only: the cached continuations serve
     assert built == []
     train("--response-tokens", "10")  # a data option: the cache is stale and rebuilt

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from pdflash.drafter import load_drafter
-from pdflash.loader import load_target
+from pdflash.spec.drafter import load_drafter
+from pdflash.target.loader import load_target
 from pdflash.sampling import SamplingParams, probabilities
-from pdflash.speculator import Speculator
-from pdflash.tiny import write_tiny_drafter, write_tiny_target
+from pdflash.spec.speculator import Speculator
+from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
 
 VOCAB = 12
 PROMPT = [3, 7, 1, 9]

@@ -385,7 +385,7 @@ def load_hf(out: Path):
 
 def verify(args) -> float:
     """pdflash's loader reads the export and its logits equal transformers' on a held-out snippet."""
-    from pdflash.loader import load_target
+    from pdflash.target.loader import load_target
 
     config = json.loads((args.out / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe", config["model_type"]
@@ -437,8 +437,8 @@ def stage_eval(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from prompts import PROMPTS
 
-    from pdflash.generate import generate_autoregressive
-    from pdflash.loader import load_target
+    from pdflash.target.generate import generate_autoregressive
+    from pdflash.target.loader import load_target
     from pdflash.sampling import SamplingParams
 
     split = load_split(args)

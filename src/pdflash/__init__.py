@@ -1,6 +1,6 @@
 """pdflash: serve Mixture-of-Experts models with offloaded experts and DFlash speculative decoding."""
 
-from pdflash.engine import AsyncEngine, EngineConfig, EngineOverloadedError
+from pdflash.engine.async_engine import AsyncEngine, EngineConfig, EngineOverloadedError
 from pdflash.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineConfig", "EngineOverloadedError", "SamplingParams"]

@@ -26,7 +26,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 def _engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """Resolve the default model and read the verify budgets and offload flags shared by generate and serve."""
-    from pdflash.engine import VERIFY_BUDGETS
+    from pdflash.engine.async_engine import VERIFY_BUDGETS
 
     if args.target is None:
         args.target = default_target()
@@ -44,7 +44,7 @@ def _engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
 def cmd_generate(args: argparse.Namespace) -> int:
     import anyio
 
-    from pdflash.engine import AsyncEngine
+    from pdflash.engine.async_engine import AsyncEngine
 
     try:
         budgets, offload = _engine_options(args)
@@ -108,8 +108,8 @@ def _weights_stamp(directory: Path) -> list:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from pdflash.loader import load_target
-    from pdflash.train import DrafterTrainer, TrainSettings, build_training_data, cached_training_data, text_prompts
+    from pdflash.target.loader import load_target
+    from pdflash.spec.train import DrafterTrainer, TrainSettings, build_training_data, cached_training_data, text_prompts
 
     try:
         settings = TrainSettings(
@@ -153,7 +153,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pdflash.engine import AsyncEngine
+    from pdflash.engine.async_engine import AsyncEngine
     from pdflash.server import ServerSettings, create_app
 
     try:
@@ -178,7 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from pdflash.tiny import write_tiny_target
+    from pdflash.target.tiny import write_tiny_target
 
     print(write_tiny_target(Path(args.out), seed=args.seed))
     return 0

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Iterator
 import attrs
 import torch
 
-from pdflash.config import ModelConfig
-from pdflash.experts import ExpertWave
+from pdflash.target.config import ModelConfig
+from pdflash.target.experts import ExpertWave
 from pdflash.offload.eviction import make_policy
 from pdflash.offload.host_store import ExpertKey, HostExpert, HostExpertStore
 from pdflash.offload.link import Link

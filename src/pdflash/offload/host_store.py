@@ -20,8 +20,8 @@ from pathlib import Path
 import attrs
 import torch
 
-from pdflash.checkpoint import EXPERT_PROJECTIONS, Checkpoint, expert_shapes, expert_tensor_name
-from pdflash.config import ModelConfig
+from pdflash.target.checkpoint import EXPERT_PROJECTIONS, Checkpoint, expert_shapes, expert_tensor_name
+from pdflash.target.config import ModelConfig
 from pdflash.errors import CheckpointError
 
 ExpertKey = tuple[int, int]  # (layer, expert)

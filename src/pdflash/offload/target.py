@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from pdflash.checkpoint import Checkpoint
-from pdflash.config import ModelConfig
-from pdflash.loader import LoadedTarget, load_target, resolve_dtype
+from pdflash.target.checkpoint import Checkpoint
+from pdflash.target.config import ModelConfig
+from pdflash.target.loader import LoadedTarget, load_target, resolve_dtype
 from pdflash.offload.device_cache import OffloadedExperts
 from pdflash.offload.host_store import HostExpertStore
 

@@ -17,7 +17,7 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pdflash.outputs import RequestOutput
+from pdflash.engine.outputs import RequestOutput
 from pdflash.server import protocol
 from pdflash.server.errors import SERVER_ERROR, APIError, from_engine_error, invalid
 from pdflash.server.metrics import RequestTracker

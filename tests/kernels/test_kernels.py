@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels.dispatch import backend
-from kernels.grouped_swiglu import grouped_swiglu_reference, grouped_swiglu_torch
-from kernels.mxfp4 import (
+from pdflash import kernels
+from pdflash.kernels.dispatch import backend
+from pdflash.kernels.grouped_swiglu import grouped_swiglu_reference, grouped_swiglu_torch
+from pdflash.kernels.mxfp4 import (
     FP4_VALUES,
     mxfp4_expert_layout,
     mxfp4_expert_nbytes,
@@ -23,9 +23,9 @@ from kernels.mxfp4 import (
     payload_nbytes,
     unpack_mxfp4,
 )
-from kernels.routing import Routing, permutation, route_reference
-from kernels.triton_routing import route_triton
-from kernels.triton_swiglu import grouped_swiglu_triton
+from pdflash.kernels.routing import Routing, permutation, route_reference
+from pdflash.kernels.triton_routing import route_triton
+from pdflash.kernels.triton_swiglu import grouped_swiglu_triton
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -337,13 +337,13 @@ def test_dispatch_runs_the_chosen_backend(monkeypatch, setting, num_experts):
 
 
 def test_import_kernels_does_not_import_triton():
-    code = "import sys, kernels; sys.exit('triton' in sys.modules)"
+    code = "import sys, pdflash.kernels; sys.exit('triton' in sys.modules)"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
 
 
 def test_model_logits_with_triton_path_equal_reference_path(tiny_target, monkeypatch):
-    from pdflash.loader import load_target
+    from pdflash.target.loader import load_target
 
     model = load_target(tiny_target).model
     prompts = [torch.arange(3, 14), torch.tensor([7]), torch.arange(40, 46)]

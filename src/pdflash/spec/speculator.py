@@ -14,10 +14,10 @@ from collections.abc import Callable, Collection, Sequence
 import attrs
 import torch
 
-from pdflash.drafter import DFlashDrafter
-from pdflash.kv_cache import KVCache
-from pdflash.model import Qwen3MoeModel
-from pdflash.projection import ExpertKey, ProjectionQuality, make_projector, routed_union, union_bytes
+from pdflash.spec.drafter import DFlashDrafter
+from pdflash.target.kv_cache import KVCache
+from pdflash.target.model import Qwen3MoeModel
+from pdflash.spec.projection import ExpertKey, ProjectionQuality, make_projector, routed_union, union_bytes
 from pdflash.sampling import SamplingParams, sample
 from pdflash.stopping import StopRule
 
@@ -250,7 +250,7 @@ class Speculator:
 
 def speculative_generate(speculator: Speculator, prompt_ids: Sequence[int], params: SamplingParams):
     """Whole-request loop over the seam (a convenience; the engine interleaves rounds instead)."""
-    from pdflash.generate import GenerationResult
+    from pdflash.target.generate import GenerationResult
 
     started = time.perf_counter()
     session = speculator.begin_session(prompt_ids, params)

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from pdflash.engine import AsyncEngine
+from pdflash.engine.async_engine import AsyncEngine
 from pdflash.server import BackgroundServer, ServerSettings, create_app
 
 CLIENTS = 100

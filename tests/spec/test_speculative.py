@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from pdflash.drafter import load_drafter
+from pdflash.spec.drafter import load_drafter
 from pdflash.errors import CheckpointError
-from pdflash.generate import generate_autoregressive
-from pdflash.loader import load_target
-from pdflash.projection import routed_union, union_bytes
+from pdflash.target.generate import generate_autoregressive
+from pdflash.target.loader import load_target
+from pdflash.spec.projection import routed_union, union_bytes
 from pdflash.sampling import SamplingParams
-from pdflash.speculator import RoundOrderError, Speculator, speculative_generate
-from pdflash.tiny import write_tiny_drafter
+from pdflash.spec.speculator import RoundOrderError, Speculator, speculative_generate
+from pdflash.target.tiny import write_tiny_drafter
 
 PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63)), [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
 

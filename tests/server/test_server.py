@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
 from pdflash.cli import main
-from pdflash.engine import AsyncEngine
+from pdflash.engine.async_engine import AsyncEngine
 from pdflash.server import BackgroundServer, ServerSettings, create_app
-from pdflash.tiny import write_tiny_drafter
+from pdflash.target.tiny import write_tiny_drafter
 
 MODEL = "tiny"
 ERROR_FIELDS = {"message", "type", "param", "code"}

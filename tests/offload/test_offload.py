@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from pdflash.checkpoint import Checkpoint, expert_byte_map, expert_tensor_name
-from pdflash.config import ModelConfig
-from pdflash.drafter import load_drafter
-from pdflash.generate import generate_autoregressive
-from pdflash.loader import load_target
+from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_tensor_name
+from pdflash.target.config import ModelConfig
+from pdflash.spec.drafter import load_drafter
+from pdflash.target.generate import generate_autoregressive
+from pdflash.target.loader import load_target
 from pdflash.offload import (
     POLICIES,
     ExpertFetchError,
@@ -30,8 +30,8 @@ from pdflash.offload import (
     make_policy,
 )
 from pdflash.sampling import SamplingParams
-from pdflash.speculator import Speculator
-from pdflash.tiny import write_tiny_drafter, write_tiny_target
+from pdflash.spec.speculator import Speculator
+from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
 
 PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63))]
 GREEDY = SamplingParams(max_tokens=16)

@@ -22,11 +22,11 @@ import attrs
 import torch
 from transitions import Machine
 
-from pdflash.outputs import OutputMailbox, RequestMetrics, RequestOutput, TextStream
-from pdflash.projection import ExpertKey
+from pdflash.engine.outputs import OutputMailbox, RequestMetrics, RequestOutput, TextStream
+from pdflash.spec.projection import ExpertKey
 from pdflash.sampling import SamplingParams
-from pdflash.scheduler import Ticket
-from pdflash.speculator import SpecSession
+from pdflash.engine.scheduler import Ticket
+from pdflash.spec.speculator import SpecSession
 
 
 class SequenceState(enum.Enum):

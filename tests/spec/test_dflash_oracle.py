@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from hf_fixtures import write_hf_checkpoint
-from pdflash.drafter import load_drafter
-from pdflash.loader import load_target
+from pdflash.spec.drafter import load_drafter
+from pdflash.target.loader import load_target
 from pdflash.sampling import SamplingParams
-from pdflash.speculator import Speculator, speculative_generate
-from pdflash.tiny import write_tiny_drafter
+from pdflash.spec.speculator import Speculator, speculative_generate
+from pdflash.target.tiny import write_tiny_drafter
 
 dflash_model = pytest.importorskip("dflash.model", reason="install the test oracle: pip install --no-deps dflash==0.1.0")
 dflash_model._cuda_time = time.perf_counter

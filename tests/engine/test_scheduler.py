@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdflash.scheduler import (
+from pdflash.engine.scheduler import (
     AdmissionCancelled,
     ChargeMode,
     Deficit2D,

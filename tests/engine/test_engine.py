@@ -11,17 +11,17 @@ import anyio
 import pytest
 from transitions import MachineError
 
-from pdflash.drafter import load_drafter
-from pdflash.engine import (
+from pdflash.spec.drafter import load_drafter
+from pdflash.engine.async_engine import (
     AsyncEngine, EngineClosedError, EngineConfig, EngineOverloadedError, largest_block_union_bytes,
 )
-from pdflash.generate import generate_autoregressive
-from pdflash.loader import load_target
-from pdflash.outputs import TextStream
+from pdflash.target.generate import generate_autoregressive
+from pdflash.target.loader import load_target
+from pdflash.engine.outputs import TextStream
 from pdflash.sampling import SamplingParams
-from pdflash.sequence import LIFECYCLE, Sequence, SequenceState
-from pdflash.speculator import Speculator
-from pdflash.tiny import write_tiny_drafter
+from pdflash.engine.sequence import LIFECYCLE, Sequence, SequenceState
+from pdflash.spec.speculator import Speculator
+from pdflash.target.tiny import write_tiny_drafter
 
 PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63)), [7], list(range(100, 111)), [3, 1, 4, 1, 5, 9, 2, 6]]
 GREEDY = SamplingParams(max_tokens=12)

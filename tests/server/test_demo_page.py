@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from pdflash.engine import AsyncEngine
+from pdflash.engine.async_engine import AsyncEngine
 from pdflash.server import BackgroundServer, ServerSettings, create_app
-from pdflash.tiny import write_tiny_drafter
+from pdflash.target.tiny import write_tiny_drafter
 
 CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 

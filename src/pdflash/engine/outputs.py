@@ -11,7 +11,7 @@ from __future__ import annotations
 import anyio
 import attrs
 
-from pdflash.tokenizer import TextTokenizer
+from pdflash.target.tokenizer import TextTokenizer
 
 REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 

@@ -21,13 +21,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from pdflash.drafter import DrafterConfig, default_tap_layers
-from pdflash.loader import LoadedTarget
-from pdflash.model import rms_norm, swiglu
-from pdflash.rope import Rotary, apply_rotary
+from pdflash.spec.drafter import DrafterConfig, default_tap_layers
+from pdflash.target.loader import LoadedTarget
+from pdflash.target.model import rms_norm, swiglu
+from pdflash.target.rope import Rotary, apply_rotary
 from pdflash.sampling import SamplingParams
-from pdflash.speculator import Speculator
-from pdflash.tiny import drafter_config, random_drafter_tensors
+from pdflash.spec.speculator import Speculator
+from pdflash.target.tiny import drafter_config, random_drafter_tensors
 
 DECAY_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # γ of the position weights exp(-(k-1)/γ)
 

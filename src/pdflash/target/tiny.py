@@ -171,7 +171,7 @@ def random_drafter_tensors(config: dict[str, Any], num_taps: int, generator: tor
 def write_tiny_drafter(directory: Path | str, target_directory: Path | str, *, num_layers: int = 2,
                        block_size: int = 8, seed: int = 1, std: float = 0.08, **overrides: Any) -> Path:
     """A random drafter in the published DFlash layout, paired with the target at `target_directory`."""
-    from pdflash.drafter import default_tap_layers
+    from pdflash.spec.drafter import default_tap_layers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

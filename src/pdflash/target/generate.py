@@ -7,7 +7,7 @@ import time
 import attrs
 import torch
 
-from pdflash.model import Qwen3MoeModel
+from pdflash.target.model import Qwen3MoeModel
 from pdflash.sampling import SamplingParams, sample
 from pdflash.stopping import StopRule
 

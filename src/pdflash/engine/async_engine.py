@@ -1,8 +1,8 @@
 """The async engine: takes requests, steps every live sequence through its rounds, streams outputs.
 
 Owns the step loop (schedule -> run -> postprocess), backpressure, failure isolation,
-the request API and engine stats. Must not touch: admission arithmetic (pdflash.scheduler),
-round algorithms (pdflash.speculator), model math, or the expert cache; an optional
+the request API and engine stats. Must not touch: admission arithmetic (pdflash.engine.scheduler),
+round algorithms (pdflash.spec.speculator), model math, or the expert cache; an optional
 expert provider is only asked to prefetch, to say what is resident, and for its stats.
 """
 
@@ -24,15 +24,15 @@ import anyio.abc
 import anyio.lowlevel
 import attrs
 
-from pdflash.lanes import Lane, Lanes, off_thread
-from pdflash.outputs import RequestOutput, TextStream
-from pdflash.projection import ExpertKey
+from pdflash.engine.lanes import Lane, Lanes, off_thread
+from pdflash.engine.outputs import RequestOutput, TextStream
+from pdflash.spec.projection import ExpertKey
 from pdflash.sampling import SamplingParams
-from pdflash.scheduler import ChargeMode, VerifyScheduler
-from pdflash.sequence import RoundSnapshot, Sequence, SequenceState
-from pdflash.speculator import Speculator
+from pdflash.engine.scheduler import ChargeMode, VerifyScheduler
+from pdflash.engine.sequence import RoundSnapshot, Sequence, SequenceState
+from pdflash.spec.speculator import Speculator
 from pdflash.stopping import StopRule
-from pdflash.tokenizer import TextTokenizer
+from pdflash.target.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 S = SequenceState
@@ -193,11 +193,11 @@ class AsyncEngine:
         link_gbps, ...) to serve experts from the host store; its provider is closed on exit.
         `config`: EngineConfig fields. Loading is synchronous (before the engine starts) and
         runs on a short-lived thread, so the caller's thread never starts torch's OpenMP team
-        (it would slow the lanes' forwards: see pdflash.lanes).
+        (it would slow the lanes' forwards: see pdflash.engine.lanes).
         """
         from pdflash.bundled import default_drafter, default_target
-        from pdflash.drafter import load_drafter
-        from pdflash.loader import load_target
+        from pdflash.spec.drafter import load_drafter
+        from pdflash.target.loader import load_target
 
         engine_config = EngineConfig(**config)
         if projector is None:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pdflash.config import RopeConfig
+from pdflash.target.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:

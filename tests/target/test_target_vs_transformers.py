@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from pdflash.generate import generate_autoregressive
-from pdflash.loader import load_target
+from pdflash.target.generate import generate_autoregressive
+from pdflash.target.loader import load_target
 from pdflash.sampling import SamplingParams
 
 PROMPT = [3, 17, 42, 8, 91, 5, 60, 33, 2, 77, 14, 29]

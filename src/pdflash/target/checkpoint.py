@@ -13,7 +13,7 @@ import attrs
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pdflash.config import ModelConfig
+from pdflash.target.config import ModelConfig
 from pdflash.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -15,13 +15,13 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from pdflash.attention import attend
-from pdflash.checkpoint import Checkpoint
-from pdflash.config import ModelConfig, RopeConfig, read_config_json, rope_config
+from pdflash.target.attention import attend
+from pdflash.target.checkpoint import Checkpoint
+from pdflash.target.config import ModelConfig, RopeConfig, read_config_json, rope_config
 from pdflash.errors import CheckpointError
-from pdflash.kv_cache import KVCache
-from pdflash.model import rms_norm, swiglu
-from pdflash.rope import Rotary, apply_rotary
+from pdflash.target.kv_cache import KVCache
+from pdflash.target.model import rms_norm, swiglu
+from pdflash.target.rope import Rotary, apply_rotary
 
 
 def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

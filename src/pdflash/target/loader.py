@@ -8,11 +8,11 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from pdflash.checkpoint import Checkpoint, expert_byte_map, expert_shapes, expert_tensor_name
-from pdflash.config import ModelConfig
-from pdflash.experts import ExpertProvider, ResidentExperts
-from pdflash.model import AttentionWeights, LayerWeights, Qwen3MoeModel
-from pdflash.tokenizer import TextTokenizer
+from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_shapes, expert_tensor_name
+from pdflash.target.config import ModelConfig
+from pdflash.target.experts import ExpertProvider, ResidentExperts
+from pdflash.target.model import AttentionWeights, LayerWeights, Qwen3MoeModel
+from pdflash.target.tokenizer import TextTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdflash.attention import SHORT_BLOCK, attend
-from pdflash.checkpoint import Checkpoint, expert_byte_map
-from pdflash.config import ModelConfig
+from pdflash.target.attention import SHORT_BLOCK, attend
+from pdflash.target.checkpoint import Checkpoint, expert_byte_map
+from pdflash.target.config import ModelConfig
 from pdflash.errors import CheckpointError, ContextLimitError
-from pdflash.generate import generate_autoregressive
-from pdflash.loader import load_target
+from pdflash.target.generate import generate_autoregressive
+from pdflash.target.loader import load_target
 from pdflash.sampling import SamplingParams
-from pdflash.tiny import write_tiny_target
+from pdflash.target.tiny import write_tiny_target
 
 
 @pytest.fixture(scope="module")

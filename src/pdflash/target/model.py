@@ -14,12 +14,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-import kernels
-from pdflash.attention import attend
-from pdflash.config import ModelConfig
-from pdflash.experts import ExpertProvider
-from pdflash.kv_cache import KVCache
-from pdflash.rope import Rotary, apply_rotary
+from pdflash import kernels
+from pdflash.target.attention import attend
+from pdflash.target.config import ModelConfig
+from pdflash.target.experts import ExpertProvider
+from pdflash.target.kv_cache import KVCache
+from pdflash.target.rope import Rotary, apply_rotary
 
 
 @attrs.frozen(kw_only=True)

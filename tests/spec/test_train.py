@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from hf_fixtures import write_hf_checkpoint
-from pdflash.drafter import load_drafter
-from pdflash.loader import load_target
+from pdflash.spec.drafter import load_drafter
+from pdflash.target.loader import load_target
 from pdflash.sampling import SamplingParams
-from pdflash.speculator import Speculator, speculative_generate
-from pdflash.train import DrafterTrainer, TrainSettings, build_training_data
+from pdflash.spec.speculator import Speculator, speculative_generate
+from pdflash.spec.train import DrafterTrainer, TrainSettings, build_training_data
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from pdflash.lanes import Lane, off_thread
+from pdflash.engine.lanes import Lane, off_thread
 
 
 def test_a_lane_uses_the_torch_thread_count_of_the_thread_that_created_it():
