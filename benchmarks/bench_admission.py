@@ -38,8 +38,7 @@ def median_us(fn, repeats: int) -> float:
 
 def admission_cases(n: int, rng: random.Random) -> dict[str, list[VerifyDemand]]:
     mixed = [
-        VerifyDemand(i, BLOCK, rng.randrange(1, 60) * EXPERT_BYTES, skipped_ticks=rng.randrange(4))
-        for i in range(n)
+        VerifyDemand(i, BLOCK, rng.randrange(1, 60) * EXPERT_BYTES, skipped_ticks=rng.randrange(4)) for i in range(n)
     ]
     return {
         "first-fit over a mixed line": mixed,
@@ -70,13 +69,17 @@ def main() -> None:
     args = parser.parse_args()
 
     rng = random.Random(0)
-    print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()} on {platform.system()}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()} on {platform.system()}"
+    )
     budget = Deficit2D(64, 200 * EXPERT_BYTES)
     cap = Deficit2D(8192, 10**12)
     times = {}
     for name, demands in admission_cases(args.pending, rng).items():
-        times[name] = median_us(lambda: admit_verify_demands(demands, budget, Deficit2D(0, 0), cap), args.repeats)
+        times[name] = median_us(
+            lambda demands=demands: admit_verify_demands(demands, budget, Deficit2D(0, 0), cap), args.repeats
+        )
     base = times["first-fit over a mixed line"]
     for name, us in times.items():
         print(f"admit_verify_demands, {args.pending} pending, {name:28s}: {us:8.1f} us median  (x{us / base:.2f})")
@@ -93,10 +96,13 @@ def main() -> None:
     fresh_us = median_us(
         lambda: charge_bytes(pending, ChargeMode.MARGINAL, byte_map, resident, frozenset()), args.charge_repeats
     )
-    print(f"marginal charge of a tick, {shape}, union masks kept across ticks: {tick_us:10.1f} us median  "
-          f"(x{tick_us / base:.1f} the admission)")
+    print(
+        f"marginal charge of a tick, {shape}, union masks kept across ticks: {tick_us:10.1f} us median  "
+        f"(x{tick_us / base:.1f} the admission)"
+    )
     print(f"  one union's mask, built once when its verify is first charged:   {mask_us:10.1f} us median")
     print(f"  charge_bytes marginal (every mask built afresh):                  {fresh_us:10.1f} us median")
+
 
 if __name__ == "__main__":
     main()

@@ -30,8 +30,8 @@ import torch
 from tqdm import tqdm
 
 from pdflash.engine.async_engine import AsyncEngine, largest_block_union_bytes
-from pdflash.sampling import SamplingParams
 from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.sampling import SamplingParams
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:
@@ -39,8 +39,9 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % (vocab - 8) for j in range(4 + (i * 37) % 64)] for i in range(n)]
 
 
-async def closed_loop(engine: AsyncEngine, concurrency: int, per_client: int, params: SamplingParams,
-                      pool: list[list[int]]) -> dict:
+async def closed_loop(
+    engine: AsyncEngine, concurrency: int, per_client: int, params: SamplingParams, pool: list[list[int]]
+) -> dict:
     """`concurrency` clients, each sending `per_client` requests one after another."""
     gaps: list[float] = []  # inter-token latency samples: delta gap / tokens it carries, one per token
     tokens = 0
@@ -98,8 +99,9 @@ def admission_us(engine: AsyncEngine, pool: list[list[int]], pending: int, repea
     resident = frozenset(sorted(spec.expert_nbytes)[: len(spec.expert_nbytes) // 4])
     first, second = [], []
     for _ in range(repeats):
-        scheduler = VerifyScheduler(token_budget=64, token_cap=8 * 64, byte_budget=block_bytes,
-                                    byte_cap=4 * block_bytes)
+        scheduler = VerifyScheduler(
+            token_budget=64, token_cap=8 * 64, byte_budget=block_bytes, byte_cap=4 * block_bytes
+        )
         for i in range(pending):
             d = drafts[i % len(drafts)]
             scheduler.register(i, d.tokens, d.expert_union, d.expert_bytes, d.fetch_bytes)
@@ -146,21 +148,32 @@ def main() -> None:
     pool = prompts(64, dflash.speculator.target.config.vocab_size)
     try:
         import pdflash.offload  # noqa: F401
+
         offload = {"expert_cache_fraction": args.cache_fraction, "link_gbps": args.link_gbps}
     except ImportError:
         offload = None
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} intra-op thread(s), no accelerator; Python {platform.python_version()}")
-    print(f"target {args.target}, drafter {args.drafter} (block {dflash.speculator.block_size}); greedy, "
-          f"{args.max_tokens} tokens per request, {args.requests_per_client} requests per client, one run")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} intra-op thread(s), no accelerator; Python {platform.python_version()}"
+    )
+    print(
+        f"target {args.target}, drafter {args.drafter} (block {dflash.speculator.block_size}); greedy, "
+        f"{args.max_tokens} tokens per request, {args.requests_per_client} requests per client, one run"
+    )
 
     runs = 2 + (3 if offload else 0)
     with tqdm(total=runs * len(args.concurrency), desc="sweep points", leave=False) as bar:
         resident = {
             "DFlash": anyio.run(sweep, dflash, args, params, pool, bar),
-            "AR": anyio.run(sweep, AsyncEngine.from_pretrained(args.target, None, max_num_seqs=max(args.concurrency)),
-                            args, params, pool, bar),
+            "AR": anyio.run(
+                sweep,
+                AsyncEngine.from_pretrained(args.target, None, max_num_seqs=max(args.concurrency)),
+                args,
+                params,
+                pool,
+                bar,
+            ),
         }
         offloaded = {}
         if offload:
@@ -171,26 +184,42 @@ def main() -> None:
             settings = {"token-only": {}}
             for label, byte_budget in (("cache", cache_bytes), ("block union", block_bytes)):
                 settings[f"2-D, bytes/tick = {label}"] = dict(
-                    verify_token_budget=tokens, verify_token_cap=tokens, verify_byte_budget=byte_budget,
-                    verify_byte_cap=max(block_bytes, 2 * byte_budget))
+                    verify_token_budget=tokens,
+                    verify_token_cap=tokens,
+                    verify_byte_budget=byte_budget,
+                    verify_byte_cap=max(block_bytes, 2 * byte_budget),
+                )
             for name, budgets in settings.items():
-                engine = AsyncEngine.from_pretrained(args.target, args.drafter, offload=offload,
-                                                     max_num_seqs=max(args.concurrency), **budgets)
+                engine = AsyncEngine.from_pretrained(
+                    args.target, args.drafter, offload=offload, max_num_seqs=max(args.concurrency), **budgets
+                )
                 offloaded[name] = anyio.run(sweep, engine, args, params, pool, bar)
                 print(f"{name}: {budgets or 'no byte budget'}")
 
-    table("Resident experts (tokens/s aggregate; overhead = wall outside model forwards / wall)", resident,
-          [("tokens/s", "tokens_per_s", ".1f"), ("τ", "tau", ".2f"), ("engine overhead", "overhead", ".1%")])
+    table(
+        "Resident experts (tokens/s aggregate; overhead = wall outside model forwards / wall)",
+        resident,
+        [("tokens/s", "tokens_per_s", ".1f"), ("τ", "tau", ".2f"), ("engine overhead", "overhead", ".1%")],
+    )
     first_us, next_us, union = admission_us(dflash, pool, args.pending, args.admission_repeats)
-    print(f"\nAdmission: one VerifyScheduler.tick, marginal charges, {args.pending} pending demands "
-          f"(~{union} experts per union, 1/4 resident), median of {args.admission_repeats}: {first_us:.0f} µs "
-          f"for the first tick (every union's mask built), {next_us:.0f} µs for the next")
+    print(
+        f"\nAdmission: one VerifyScheduler.tick, marginal charges, {args.pending} pending demands "
+        f"(~{union} experts per union, 1/4 resident), median of {args.admission_repeats}: {first_us:.0f} µs "
+        f"for the first tick (every union's mask built), {next_us:.0f} µs for the next"
+    )
     if offload:
-        table(f"Offloaded experts: emulated {args.link_gbps:g} GB/s link, device cache {args.cache_fraction:.0%} "
-              "of all experts", offloaded,
-              [("tokens/s", "tokens_per_s", ".1f"), ("ITL p50 ms", "itl_p50_ms", ".2f"),
-               ("ITL p99 ms", "itl_p99_ms", ".2f"), ("fetched bytes/token", "fetched_per_token", ",.0f"),
-               ("engine overhead", "overhead", ".1%")])
+        table(
+            f"Offloaded experts: emulated {args.link_gbps:g} GB/s link, device cache {args.cache_fraction:.0%} "
+            "of all experts",
+            offloaded,
+            [
+                ("tokens/s", "tokens_per_s", ".1f"),
+                ("ITL p50 ms", "itl_p50_ms", ".2f"),
+                ("ITL p99 ms", "itl_p99_ms", ".2f"),
+                ("fetched bytes/token", "fetched_per_token", ",.0f"),
+                ("engine overhead", "overhead", ".1%"),
+            ],
+        )
     else:
         print("\npdflash.offload is not importable: offloaded sweep skipped")
 

@@ -31,8 +31,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls; the median is shown")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where to run (default: cuda when present)")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to run (default: cuda when present)",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     return parser.parse_args(argv)
 
@@ -99,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         loop_ms = median_ms(partial(grouped_swiglu_reference, *inputs, out), *timing)
         grouped_ms = median_ms(partial(grouped, *inputs, out), *timing)
         routed = routing.union_ids().numel()
-        print(
-            f"{tokens:>5} {routed:>6} {loop_ms:>14.3f} {grouped_ms:>14.3f} "
-            f"{loop_ms / grouped_ms:>7.2f}x {err:>9.2e}"
-        )
+        print(f"{tokens:>5} {routed:>6} {loop_ms:>14.3f} {grouped_ms:>14.3f} {loop_ms / grouped_ms:>7.2f}x {err:>9.2e}")
     return 0
 
 

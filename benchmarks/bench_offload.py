@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pdflash.target.config import ModelConfig
-from pdflash.spec.drafter import load_drafter
 from pdflash.offload import POLICIES, Priority, load_offloaded_target
 from pdflash.sampling import SamplingParams
+from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator
+from pdflash.target.config import ModelConfig
 from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
 
 BENCH_TARGET = {"hidden_size": 128, "moe_intermediate_size": 256, "num_hidden_layers": 6}  # 384 KiB experts
@@ -37,13 +37,20 @@ BENCH_TARGET = {"hidden_size": 128, "moe_intermediate_size": 256, "num_hidden_la
 def run_row(args, target: Path, drafter: Path | None, route_ahead: bool, prompts: list[list[int]]) -> dict:
     """Decode every prompt, one session at a time, with a fresh offloaded target; return the row's figures."""
     loaded = load_offloaded_target(
-        target, device=args.device, expert_cache_fraction=args.cache_fraction, policy=args.policy,
-        link_gbps=args.link_gbps, link_latency_s=args.link_latency_us * 1e-6,
+        target,
+        device=args.device,
+        expert_cache_fraction=args.cache_fraction,
+        policy=args.policy,
+        link_gbps=args.link_gbps,
+        link_latency_s=args.link_latency_us * 1e-6,
     )
     provider = loaded.model.experts
     spec = Speculator(
-        loaded.model, load_drafter(drafter, loaded.model) if drafter else None, expert_nbytes=loaded.expert_nbytes,
-        block_size=args.block_size if drafter else None, resident=provider.resident,
+        loaded.model,
+        load_drafter(drafter, loaded.model) if drafter else None,
+        expert_nbytes=loaded.expert_nbytes,
+        block_size=args.block_size if drafter else None,
+        resident=provider.resident,
     )
     params = SamplingParams(max_tokens=args.max_tokens)
     tokens = rounds = 0
@@ -63,7 +70,7 @@ def run_row(args, target: Path, drafter: Path | None, route_ahead: bool, prompts
     stats = provider.stats()
     provider.close()
     return {
-        "mode": ("speculative B=%d" % args.block_size) if drafter else "autoregressive",
+        "mode": f"speculative B={args.block_size}" if drafter else "autoregressive",
         "route_ahead": route_ahead,
         "tokens": tokens,
         "tau": tokens / rounds if rounds else 0.0,
@@ -104,10 +111,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="device of the cache and the model (default cpu)")
     parser.add_argument("--link-gbps", type=float, default=16.0, help="emulated link bandwidth, GB/s (default 16)")
     parser.add_argument("--link-latency-us", type=float, default=0.0, help="emulated latency per fetch, µs (default 0)")
-    parser.add_argument("--cache-fraction", type=float, default=0.25,
-                        help="device cache / all expert bytes (default 0.25)")
-    parser.add_argument("--policy", default="activation", choices=sorted(POLICIES),
-                        help="eviction policy (default activation)")
+    parser.add_argument(
+        "--cache-fraction", type=float, default=0.25, help="device cache / all expert bytes (default 0.25)"
+    )
+    parser.add_argument(
+        "--policy", default="activation", choices=sorted(POLICIES), help="eviction policy (default activation)"
+    )
     parser.add_argument("--block-size", type=int, default=8, help="speculative block size (default 8)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts, decoded one after another (default 4)")
     parser.add_argument("--prompt-len", type=int, default=24, help="tokens per random prompt (default 24)")
@@ -126,11 +135,15 @@ def main() -> None:
         rows = [run_row(args, target, d, ahead, prompts) for d, ahead in tqdm(cases, desc="bench rows")]
 
     first = rows[0]["stats"]
-    print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, Python {platform.python_version()}, device {args.device}")
-    print(f"link: {first['link']} {args.link_gbps:g} GB/s + {args.link_latency_us:g} µs per fetch; cache "
-          f"{args.cache_fraction:.0%} = {first['expert_cache_slots']} experts x {first['expert_slot_bytes']:,} bytes; "
-          f"policy {first['policy']}; {args.prompts} prompts x {args.max_tokens} new tokens, greedy")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, Python {platform.python_version()}, device {args.device}"
+    )
+    print(
+        f"link: {first['link']} {args.link_gbps:g} GB/s + {args.link_latency_us:g} µs per fetch; cache "
+        f"{args.cache_fraction:.0%} = {first['expert_cache_slots']} experts x {first['expert_slot_bytes']:,} bytes; "
+        f"policy {first['policy']}; {args.prompts} prompts x {args.max_tokens} new tokens, greedy"
+    )
     print(table(rows))
 
 

@@ -1,8 +1,8 @@
 """Stream one completion from the async engine, token deltas as they arrive.
 
-    python examples/async_stream.py                         # the built-in model
-    python examples/async_stream.py --prompt "def fib(n):" --max-tokens 64 --temperature 0.7 --seed 1
-    python examples/async_stream.py --target DIR [--drafter DIR | --no-spec]
+python examples/async_stream.py                         # the built-in model
+python examples/async_stream.py --prompt "def fib(n):" --max-tokens 64 --temperature 0.7 --seed 1
+python examples/async_stream.py --target DIR [--drafter DIR | --no-spec]
 """
 
 from __future__ import annotations
@@ -41,10 +41,13 @@ async def main(args: argparse.Namespace) -> None:
             print(out.text, end="", flush=True)  # out.token_ids: the delta's new token ids
     m = out.metrics
     rounds = m.acceptance_lengths
-    print(f"\n\n{m.generated_tokens} tokens in {time.perf_counter() - started:.2f} s, finish: {out.finish_reason}, "
-          f"TTFT {1000 * m.ttft_seconds:.0f} ms, "
-          f"mean acceptance {sum(rounds) / len(rounds) if rounds else 0:.2f} over {len(rounds)} verify rounds, "
-          f"projected expert bytes {m.expert_bytes:,}", file=sys.stderr)
+    print(
+        f"\n\n{m.generated_tokens} tokens in {time.perf_counter() - started:.2f} s, finish: {out.finish_reason}, "
+        f"TTFT {1000 * m.ttft_seconds:.0f} ms, "
+        f"mean acceptance {sum(rounds) / len(rounds) if rounds else 0:.2f} over {len(rounds)} verify rounds, "
+        f"projected expert bytes {m.expert_bytes:,}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

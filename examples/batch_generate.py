@@ -21,8 +21,14 @@ import anyio
 from pdflash import AsyncEngine, SamplingParams
 from pdflash.bundled import default_drafter, default_target
 
-DEFAULT_PROMPTS = ["def quicksort(xs):", "The capital of France is", "import torch\n", "Once upon a time",
-                   "SELECT name FROM users WHERE", "fn main() {"]
+DEFAULT_PROMPTS = [
+    "def quicksort(xs):",
+    "The capital of France is",
+    "import torch\n",
+    "Once upon a time",
+    "SELECT name FROM users WHERE",
+    "fn main() {",
+]
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,8 +48,9 @@ async def main(args: argparse.Namespace) -> None:
     prompts = [p for p in prompts if p.strip()]
     target = args.target or default_target()
     drafter = None if args.no_spec else (args.drafter or (default_drafter(target) if args.target is None else None))
-    engine = AsyncEngine.from_pretrained(target, drafter, max_num_seqs=args.max_num_seqs,
-                                         max_waiting=max(256, len(prompts)))
+    engine = AsyncEngine.from_pretrained(
+        target, drafter, max_num_seqs=args.max_num_seqs, max_waiting=max(256, len(prompts))
+    )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     results: list[dict | None] = [None] * len(prompts)
 
@@ -53,8 +60,14 @@ async def main(args: argparse.Namespace) -> None:
             ids += out.token_ids
             text += out.text
         m = out.metrics
-        results[i] = {"prompt": prompts[i], "text": text, "token_ids": ids, "finish_reason": out.finish_reason,
-                      "acceptance_lengths": list(m.acceptance_lengths), "ttft_seconds": m.ttft_seconds}
+        results[i] = {
+            "prompt": prompts[i],
+            "text": text,
+            "token_ids": ids,
+            "finish_reason": out.finish_reason,
+            "acceptance_lengths": list(m.acceptance_lengths),
+            "ttft_seconds": m.ttft_seconds,
+        }
 
     started = time.perf_counter()
     async with engine:
@@ -65,9 +78,12 @@ async def main(args: argparse.Namespace) -> None:
     elapsed = time.perf_counter() - started
     for result in results:
         print(json.dumps(result))
-    print(f"{len(prompts)} prompts, {stats.generated_tokens} tokens in {elapsed:.2f} s "
-          f"({stats.generated_tokens / elapsed:.1f} tokens/s), mean acceptance {stats.mean_acceptance_length:.2f}, "
-          f"verify batch sizes {stats.verify_batch_sizes}", file=sys.stderr)
+    print(
+        f"{len(prompts)} prompts, {stats.generated_tokens} tokens in {elapsed:.2f} s "
+        f"({stats.generated_tokens / elapsed:.1f} tokens/s), mean acceptance {stats.mean_acceptance_length:.2f}, "
+        f"verify batch sizes {stats.verify_batch_sizes}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,14 @@ def main(args: argparse.Namespace) -> None:
         print(f"model: {model}\n\n--- chat (streamed) ---")
 
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens,
-            temperature=0.7, seed=0, stream=True, stream_options={"include_usage": True})
+            model=model,
+            messages=[{"role": "user", "content": args.prompt}],
+            max_tokens=args.max_tokens,
+            temperature=0.7,
+            seed=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 print(chunk.choices[0].delta.content, end="", flush=True)
@@ -57,12 +63,15 @@ def main(args: argparse.Namespace) -> None:
                 print(f"\n[usage: {chunk.usage.prompt_tokens} prompt + {chunk.usage.completion_tokens} completion]")
 
         print("\n--- completion (whole) ---")
-        completion = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=args.max_tokens,
-                                               extra_body={"top_k": 40})
+        completion = client.completions.create(
+            model=model, prompt="def fibonacci(n):", max_tokens=args.max_tokens, extra_body={"top_k": 40}
+        )
         print(completion.choices[0].text)
         metrics = completion.model_extra["metrics"]
-        print(f"[finish: {completion.choices[0].finish_reason}, {metrics['tokens_per_second']:.1f} tokens/s, "
-              f"mean acceptance {metrics['mean_acceptance_length']:.2f}]")
+        print(
+            f"[finish: {completion.choices[0].finish_reason}, {metrics['tokens_per_second']:.1f} tokens/s, "
+            f"mean acceptance {metrics['mean_acceptance_length']:.2f}]"
+        )
 
 
 if __name__ == "__main__":

@@ -56,23 +56,29 @@ async def run(url: str, prompts: list[str], max_tokens: int, cancel: int | None)
             msg = json.loads(await ws.recv())
             if msg["type"] == "delta":
                 texts[msg["id"]] += msg["text"]
-                print(f"[{msg['id']}] +{len(msg['token_ids'])} tokens, acceptance {msg['acceptance_lengths']}, "
-                      f"expert bytes {msg['expert_bytes']:,}: {msg['text']!r}")
+                print(
+                    f"[{msg['id']}] +{len(msg['token_ids'])} tokens, acceptance {msg['acceptance_lengths']}, "
+                    f"expert bytes {msg['expert_bytes']:,}: {msg['text']!r}"
+                )
                 if msg["id"] == cancel:
                     await ws.send(json.dumps({"type": "cancel", "id": cancel}))
                     cancel = None
             elif msg["type"] == "done":
                 m = msg["metrics"]
-                print(f"[{msg['id']}] done ({msg['finish_reason']}): {m.get('generated_tokens', 0)} tokens, "
-                      f"{m.get('tokens_per_second', 0):.1f} tokens/s")
+                print(
+                    f"[{msg['id']}] done ({msg['finish_reason']}): {m.get('generated_tokens', 0)} tokens, "
+                    f"{m.get('tokens_per_second', 0):.1f} tokens/s"
+                )
                 pending.discard(msg["id"])
             elif msg["type"] == "error":
                 print(f"[{msg.get('id')}] error {msg['code']}: {msg['message']}")
                 pending.discard(msg.get("id"))
             elif msg["type"] == "stats":
-                print(f"[engine] live {msg['live_sequences']}, {msg['tokens_per_second']:.1f} tokens/s, "
-                      f"projected expert bytes {msg['expert_bytes_projected']:,}, "
-                      f"fetched {msg['expert_bytes_fetched']}, hit rate {msg['expert_cache_hit_rate']}")
+                print(
+                    f"[engine] live {msg['live_sequences']}, {msg['tokens_per_second']:.1f} tokens/s, "
+                    f"projected expert bytes {msg['expert_bytes_projected']:,}, "
+                    f"fetched {msg['expert_bytes_fetched']}, hit rate {msg['expert_cache_hit_rate']}"
+                )
     print()
     for i, prompt in enumerate(prompts):
         print(f"{i}: {prompt!r} -> {texts[i]!r}")

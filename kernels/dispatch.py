@@ -57,15 +57,34 @@ def grouped_swiglu(x, routing, gate, up, down, slot_of_expert, out) -> None:
 
 
 def mxfp4_grouped_swiglu(
-    x, routing, gate_blocks, gate_scales, up_blocks, up_scales, down_blocks, down_scales,
-    slot_of_expert, out, gate_bias=None, up_bias=None, down_bias=None,
+    x,
+    routing,
+    gate_blocks,
+    gate_scales,
+    up_blocks,
+    up_scales,
+    down_blocks,
+    down_scales,
+    slot_of_expert,
+    out,
+    gate_bias=None,
+    up_bias=None,
+    down_bias=None,
 ) -> None:
     """Grouped SwiGLU over MXFP4 experts; arguments as `mxfp4.mxfp4_grouped_swiglu_reference`."""
-    impl = (
-        mxfp4_grouped_swiglu_triton if backend(x.device) == "triton"
-        else mxfp4_grouped_swiglu_reference
-    )
+    impl = mxfp4_grouped_swiglu_triton if backend(x.device) == "triton" else mxfp4_grouped_swiglu_reference
     impl(
-        x, routing, gate_blocks, gate_scales, up_blocks, up_scales, down_blocks, down_scales,
-        slot_of_expert, out, gate_bias, up_bias, down_bias,
+        x,
+        routing,
+        gate_blocks,
+        gate_scales,
+        up_blocks,
+        up_scales,
+        down_blocks,
+        down_scales,
+        slot_of_expert,
+        out,
+        gate_bias,
+        up_bias,
+        down_bias,
     )

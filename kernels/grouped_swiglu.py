@@ -30,31 +30,22 @@ def check_swiglu_args(
         raise ValueError(f"x must be [T, H]; got shape {tuple(x.shape)}")
     num_tokens, hidden = x.shape
     if routing.topk_ids.dim() != 2 or routing.topk_ids.shape[0] != num_tokens:
-        raise ValueError(
-            f"routing.topk_ids must be [T={num_tokens}, K]; got {tuple(routing.topk_ids.shape)}"
-        )
+        raise ValueError(f"routing.topk_ids must be [T={num_tokens}, K]; got {tuple(routing.topk_ids.shape)}")
     if tuple(slot_of_expert.shape) != (routing.num_experts,):
-        raise ValueError(
-            f"slot_of_expert must be [E={routing.num_experts}]; got {tuple(slot_of_expert.shape)}"
-        )
+        raise ValueError(f"slot_of_expert must be [E={routing.num_experts}]; got {tuple(slot_of_expert.shape)}")
     if tuple(out.shape) != (num_tokens, hidden) or out.dtype != torch.float32:
-        raise ValueError(
-            f"out must be float32 [{num_tokens}, {hidden}]; got {out.dtype} {tuple(out.shape)}"
-        )
+        raise ValueError(f"out must be float32 [{num_tokens}, {hidden}]; got {out.dtype} {tuple(out.shape)}")
     sizes = {"gate_bias": intermediate_size, "up_bias": intermediate_size, "down_bias": hidden}
     for name, bias in biases.items():
         if bias is None:
             continue
         if tuple(bias.shape) != (num_slots, sizes[name]) or bias.dtype != x.dtype:
             raise ValueError(
-                f"{name} must be {x.dtype} [S={num_slots}, {sizes[name]}]; "
-                f"got {bias.dtype} {tuple(bias.shape)}"
+                f"{name} must be {x.dtype} [S={num_slots}, {sizes[name]}]; got {bias.dtype} {tuple(bias.shape)}"
             )
 
 
-def check_dense_weights(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
-) -> None:
+def check_dense_weights(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
     """Raise ValueError unless gate/up are [S, I, H] and down [S, H, I] in x's dtype."""
     hidden = x.shape[-1]
     if gate.dim() != 3 or gate.shape[2] != hidden:
@@ -73,8 +64,13 @@ def check_dense_swiglu(x, routing, gate, up, down, slot_of_expert, out, biases: 
     """Every check a dense grouped SwiGLU runs: weights, routing, slots, out and biases."""
     check_dense_weights(x, gate, up, down)
     check_swiglu_args(
-        x, routing, slot_of_expert, out,
-        num_slots=gate.shape[0], intermediate_size=gate.shape[1], biases=biases,
+        x,
+        routing,
+        slot_of_expert,
+        out,
+        num_slots=gate.shape[0],
+        intermediate_size=gate.shape[1],
+        biases=biases,
     )
 
 

@@ -56,14 +56,9 @@ def unpack_mxfp4(
 ) -> torch.Tensor:
     """The [..., B*32] tensor of `dtype` that the blocks and scales encode."""
     if blocks.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != 16:
-        raise ValueError(
-            f"blocks must be uint8 [..., B, 16]; got {blocks.dtype} {tuple(blocks.shape)}"
-        )
+        raise ValueError(f"blocks must be uint8 [..., B, 16]; got {blocks.dtype} {tuple(blocks.shape)}")
     if scales.dtype != torch.uint8 or scales.shape != blocks.shape[:-1]:
-        raise ValueError(
-            f"scales must be uint8 {tuple(blocks.shape[:-1])}; "
-            f"got {scales.dtype} {tuple(scales.shape)}"
-        )
+        raise ValueError(f"scales must be uint8 {tuple(blocks.shape[:-1])}; got {scales.dtype} {tuple(scales.shape)}")
     codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).flatten(-2).long()  # [..., B, 32]
     values = torch.tensor(FP4_VALUES, device=blocks.device)[codes]  # [..., B, 32]
     values = values * torch.exp2(scales.float() - 127)[..., None]
@@ -128,8 +123,12 @@ def check_mxfp4_weights(
     num_slots, inter = gate_blocks.shape[:2]
     layout = mxfp4_expert_layout(x.shape[1], inter, bias_dtype=None)
     given = {
-        "gate_blocks": gate_blocks, "gate_scales": gate_scales, "up_blocks": up_blocks,
-        "up_scales": up_scales, "down_blocks": down_blocks, "down_scales": down_scales,
+        "gate_blocks": gate_blocks,
+        "gate_scales": gate_scales,
+        "up_blocks": up_blocks,
+        "up_scales": up_scales,
+        "down_blocks": down_blocks,
+        "down_scales": down_scales,
     }
     for name, tensor in given.items():
         shape, dtype = layout[name]
@@ -159,11 +158,16 @@ def mxfp4_grouped_swiglu_reference(
     """Dequantize every slot to x's dtype, then `grouped_swiglu_reference` with the biases."""
     check_mxfp4_weights(x, gate_blocks, gate_scales, up_blocks, up_scales, down_blocks, down_scales)
     grouped_swiglu_reference(
-        x, routing,
+        x,
+        routing,
         unpack_mxfp4(gate_blocks, gate_scales, x.dtype),  # [S, I, H]
         unpack_mxfp4(up_blocks, up_scales, x.dtype),  # [S, I, H]
         unpack_mxfp4(down_blocks, down_scales, x.dtype),  # [S, H, I]
-        slot_of_expert, out, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
+        slot_of_expert,
+        out,
+        gate_bias=gate_bias,
+        up_bias=up_bias,
+        down_bias=down_bias,
     )
 
 
@@ -185,15 +189,24 @@ def mxfp4_grouped_swiglu_triton(
     """Same contract as `mxfp4_grouped_swiglu_reference`; decodes the blocks inside the GEMMs."""
     from pdflash.kernels.triton_swiglu import launch_grouped_swiglu  # lazy: needs triton
 
-    num_slots, inter = check_mxfp4_weights(
-        x, gate_blocks, gate_scales, up_blocks, up_scales, down_blocks, down_scales
-    )
+    num_slots, inter = check_mxfp4_weights(x, gate_blocks, gate_scales, up_blocks, up_scales, down_blocks, down_scales)
     biases = (gate_bias, up_bias, down_bias)
     check_swiglu_args(
-        x, routing, slot_of_expert, out, num_slots=num_slots, intermediate_size=inter,
+        x,
+        routing,
+        slot_of_expert,
+        out,
+        num_slots=num_slots,
+        intermediate_size=inter,
         biases=dict(zip(("gate_bias", "up_bias", "down_bias"), biases)),
     )
     launch_grouped_swiglu(
-        x, routing, slot_of_expert, out,
-        (gate_blocks, up_blocks, down_blocks), (gate_scales, up_scales, down_scales), biases, inter,
+        x,
+        routing,
+        slot_of_expert,
+        out,
+        (gate_blocks, up_blocks, down_blocks),
+        (gate_scales, up_scales, down_scales),
+        biases,
+        inter,
     )

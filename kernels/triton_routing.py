@@ -19,9 +19,16 @@ _TILE_ELEMENTS = 4096  # logits held by one program: BLOCK_T * BLOCK_E
 
 @triton.jit
 def _softmax_topk_kernel(
-    logits_ptr, ids_ptr, weights_ptr, num_tokens, num_experts,
-    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    num_tokens,
+    num_experts,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < num_tokens
@@ -29,7 +36,8 @@ def _softmax_topk_kernel(
     cols = tl.arange(0, BLOCK_E)
     logits = tl.load(
         logits_ptr + safe_rows[:, None] * num_experts + cols[None, :],
-        mask=cols[None, :] < num_experts, other=float("-inf"),
+        mask=cols[None, :] < num_experts,
+        other=float("-inf"),
     ).to(tl.float32)  # [BLOCK_T, BLOCK_E]
     exp = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = exp / tl.sum(exp, axis=1)[:, None]  # [BLOCK_T, BLOCK_E]
@@ -66,8 +74,15 @@ def route_triton(router_logits: torch.Tensor, top_k: int, normalize: bool) -> Ro
         block_e = triton.next_power_of_2(num_experts)
         block_t = min(max(1, _TILE_ELEMENTS // block_e), triton.next_power_of_2(num_tokens))
         _softmax_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
-            logits, topk_ids, topk_weights, num_tokens, num_experts,
-            TOP_K=top_k, NORMALIZE=normalize,
-            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+            logits,
+            topk_ids,
+            topk_weights,
+            num_tokens,
+            num_experts,
+            TOP_K=top_k,
+            NORMALIZE=normalize,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
+            BLOCK_K=triton.next_power_of_2(top_k),
         )
     return permutation(topk_ids, topk_weights, num_experts)

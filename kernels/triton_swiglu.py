@@ -40,13 +40,11 @@ def _weight_tile(w_ptr, scale_ptr, slot, rows, cols, num_rows, num_cols, MXFP4: 
         exponent = (nibble >> 1) & 3
         mantissa = nibble & 1
         # E2M1 -> float32 bits: exponent 0 is the subnormal 0 / 0.5, else 2^(e-1) * (1 + m/2)
-        magnitude = tl.where(
-            exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22)
-        )
+        magnitude = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
         value = (magnitude | ((nibble >> 3) << 31)).to(tl.float32, bitcast=True)
-        scale = tl.load(
-            scale_ptr + row_base * (num_cols // 32) + cols[:, None] // 32, mask=mask, other=127
-        ).to(tl.uint32)
+        scale = tl.load(scale_ptr + row_base * (num_cols // 32) + cols[:, None] // 32, mask=mask, other=127).to(
+            tl.uint32
+        )
         # E8M0 -> float32 bits 2^(byte-127); byte 0 is the float32 subnormal 2^-127
         scale = tl.where(scale == 0, 0x400000, scale << 23).to(tl.float32, bitcast=True)
         return value * scale
@@ -79,12 +77,31 @@ def _tile_rows(expert, tile_start_ptr, offsets_ptr, slot_ptr, BLOCK_M: tl.conste
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, slot_ptr,
-    gate_ptr, gate_scale_ptr, gate_bias_ptr, up_ptr, up_scale_ptr, up_bias_ptr, act_ptr,
-    num_experts, hidden, inter,
-    TOP_K: tl.constexpr, MXFP4: tl.constexpr, HAS_GATE_BIAS: tl.constexpr,
-    HAS_UP_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    sorted_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    offsets_ptr,
+    slot_ptr,
+    gate_ptr,
+    gate_scale_ptr,
+    gate_bias_ptr,
+    up_ptr,
+    up_scale_ptr,
+    up_bias_ptr,
+    act_ptr,
+    num_experts,
+    hidden,
+    inter,
+    TOP_K: tl.constexpr,
+    MXFP4: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     expert = tl.load(tile_expert_ptr + tl.program_id(0))
     if expert >= num_experts:  # spare tile
@@ -98,7 +115,8 @@ def _gate_up_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         h = tl.load(
             x_ptr + tokens[:, None] * hidden + ks[None, :],
-            mask=row_mask[:, None] & (ks[None, :] < hidden), other=0.0,
+            mask=row_mask[:, None] & (ks[None, :] < hidden),
+            other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         gate = _weight_tile(gate_ptr, gate_scale_ptr, slot, feats, ks, inter, hidden, MXFP4)
         up = _weight_tile(up_ptr, up_scale_ptr, slot, feats, ks, inter, hidden, MXFP4)
@@ -116,12 +134,28 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, sorted_ptr, weights_ptr, tile_expert_ptr, tile_start_ptr, offsets_ptr, slot_ptr,
-    down_ptr, down_scale_ptr, down_bias_ptr, out_ptr,
-    num_experts, hidden, inter,
-    TOP_K: tl.constexpr, MXFP4: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    act_ptr,
+    sorted_ptr,
+    weights_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    offsets_ptr,
+    slot_ptr,
+    down_ptr,
+    down_scale_ptr,
+    down_bias_ptr,
+    out_ptr,
+    num_experts,
+    hidden,
+    inter,
+    TOP_K: tl.constexpr,
+    MXFP4: tl.constexpr,
+    HAS_DOWN_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     expert = tl.load(tile_expert_ptr + tl.program_id(0))
     if expert >= num_experts:  # spare tile
@@ -135,7 +169,8 @@ def _down_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         act = tl.load(
             act_ptr + rows[:, None] * inter + ks[None, :],
-            mask=row_mask[:, None] & (ks[None, :] < inter), other=0.0,
+            mask=row_mask[:, None] & (ks[None, :] < inter),
+            other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         down = _weight_tile(down_ptr, down_scale_ptr, slot, feats, ks, hidden, inter, MXFP4)
         acc = _dot(act, down, acc, PRECISION, UPCAST)
@@ -152,9 +187,7 @@ def _block(size: int) -> int:
     return min(64, max(16, triton.next_power_of_2(size)))
 
 
-def _tile_table(
-    routing: Routing, slot_of_expert: torch.Tensor, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_table(routing: Routing, slot_of_expert: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tile_expert, tile_start) per token tile; tile_expert == E marks a spare tile."""
     offsets = routing.expert_offsets  # [E+1]
     num_experts = routing.num_experts
@@ -198,30 +231,59 @@ def launch_grouped_swiglu(
     topk_weights = routing.topk_weights.contiguous()  # [T, K] float32
     slots = slot_of_expert.contiguous()
     gate, up, down = (w.contiguous() for w in weights)
-    gate_scale, up_scale, down_scale = (
-        (gate, up, down) if scales is None else (s.contiguous() for s in scales)
-    )
+    gate_scale, up_scale, down_scale = (gate, up, down) if scales is None else (s.contiguous() for s in scales)
     gate_bias, up_bias, down_bias = biases
     act = x.new_empty(num_assignments, intermediate_size)  # [T*K, I] in sorted order
     common = dict(
-        TOP_K=top_k, MXFP4=scales is not None, BLOCK_M=block_m,
+        TOP_K=top_k,
+        MXFP4=scales is not None,
+        BLOCK_M=block_m,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype == torch.bfloat16,
     )
     block_i, block_h = _block(intermediate_size), _block(hidden)
     _gate_up_kernel[(tile_expert.numel(), triton.cdiv(intermediate_size, block_i))](
-        x, sorted_assignments, tile_expert, tile_start, routing.expert_offsets, slots,
-        gate, gate_scale, x if gate_bias is None else gate_bias,
-        up, up_scale, x if up_bias is None else up_bias, act,
-        num_experts, hidden, intermediate_size,
-        HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-        BLOCK_N=block_i, BLOCK_K=block_h, **common,
+        x,
+        sorted_assignments,
+        tile_expert,
+        tile_start,
+        routing.expert_offsets,
+        slots,
+        gate,
+        gate_scale,
+        x if gate_bias is None else gate_bias,
+        up,
+        up_scale,
+        x if up_bias is None else up_bias,
+        act,
+        num_experts,
+        hidden,
+        intermediate_size,
+        HAS_GATE_BIAS=gate_bias is not None,
+        HAS_UP_BIAS=up_bias is not None,
+        BLOCK_N=block_i,
+        BLOCK_K=block_h,
+        **common,
     )
     _down_kernel[(tile_expert.numel(), triton.cdiv(hidden, block_h))](
-        act, sorted_assignments, topk_weights, tile_expert, tile_start, routing.expert_offsets,
-        slots, down, down_scale, x if down_bias is None else down_bias, out,
-        num_experts, hidden, intermediate_size,
-        HAS_DOWN_BIAS=down_bias is not None, BLOCK_N=block_h, BLOCK_K=block_i, **common,
+        act,
+        sorted_assignments,
+        topk_weights,
+        tile_expert,
+        tile_start,
+        routing.expert_offsets,
+        slots,
+        down,
+        down_scale,
+        x if down_bias is None else down_bias,
+        out,
+        num_experts,
+        hidden,
+        intermediate_size,
+        HAS_DOWN_BIAS=down_bias is not None,
+        BLOCK_N=block_h,
+        BLOCK_K=block_i,
+        **common,
     )
 
 
@@ -243,6 +305,4 @@ def grouped_swiglu_triton(
     check_dense_swiglu(
         x, routing, gate, up, down, slot_of_expert, out, dict(zip(("gate_bias", "up_bias", "down_bias"), biases))
     )
-    launch_grouped_swiglu(
-        x, routing, slot_of_expert, out, (gate, up, down), None, biases, gate.shape[1]
-    )
+    launch_grouped_swiglu(x, routing, slot_of_expert, out, (gate, up, down), None, biases, gate.shape[1])

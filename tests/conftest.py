@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
+import torch
 
 # One intra-op thread for the whole session (no test module needs to repeat it): the engine's
 # lanes add threads of their own, and on a shared 2-core machine oversubscribed OpenMP threads
@@ -17,6 +17,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from hf_fixtures import HF_CONFIGS, write_hf_checkpoint  # noqa: E402
+
 from pdflash.target.tiny import write_tiny_target  # noqa: E402
 
 

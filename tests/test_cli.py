@@ -21,7 +21,16 @@ def run_json(capsys, *argv) -> dict:
 
 
 def test_json_contract_speculative_equals_no_spec(capsys, tiny_target, drafter_dir):
-    common = ["--target", str(tiny_target), "--drafter", str(drafter_dir), "--prompt", "def fib(n):", "--max-tokens", "24"]
+    common = [
+        "--target",
+        str(tiny_target),
+        "--drafter",
+        str(drafter_dir),
+        "--prompt",
+        "def fib(n):",
+        "--max-tokens",
+        "24",
+    ]
     spec = run_json(capsys, *common, "--block-size", "4")
     plain = run_json(capsys, *common, "--no-spec")
     assert set(spec) == {"token_ids", "text", "acceptance_lengths", "stats"}
@@ -33,10 +42,40 @@ def test_json_contract_speculative_equals_no_spec(capsys, tiny_target, drafter_d
 
 
 def test_prompt_ids_and_sampling_flags(capsys, tiny_target):
-    out = run_json(capsys, "--target", str(tiny_target), "--prompt-ids", "1,2,3", "--max-tokens", "5",
-                   "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3")
-    again = run_json(capsys, "--target", str(tiny_target), "--prompt-ids", "1,2,3", "--max-tokens", "5",
-                     "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3")
+    out = run_json(
+        capsys,
+        "--target",
+        str(tiny_target),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+        "--seed",
+        "3",
+    )
+    again = run_json(
+        capsys,
+        "--target",
+        str(tiny_target),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+        "--seed",
+        "3",
+    )
     assert out["token_ids"] == again["token_ids"] and len(out["token_ids"]) == 5
 
 
@@ -53,8 +92,9 @@ def test_missing_target_is_a_clear_error(capsys, tmp_path):
 def test_offload_flags_keep_tokens_and_report_traffic(capsys, tiny_target, drafter_dir):
     common = ["--target", str(tiny_target), "--drafter", str(drafter_dir), "--prompt", "def f():", "--max-tokens", "12"]
     resident = run_json(capsys, *common)
-    offloaded = run_json(capsys, *common, "--expert-cache-fraction", "0.25", "--eviction", "lru",
-                         "--emulate-link-gbps", "16")
+    offloaded = run_json(
+        capsys, *common, "--expert-cache-fraction", "0.25", "--eviction", "lru", "--emulate-link-gbps", "16"
+    )
     assert offloaded["token_ids"] == resident["token_ids"]
     stats = offloaded["stats"]
     assert stats["link"] == "emulated" and stats["expert_bytes_fetched"] > 0
@@ -70,9 +110,30 @@ def test_train_drafter_writes_stats_and_reuses_its_data_cache(capsys, tiny_targe
     cache, stats = tmp_path / "data.pt", tmp_path / "stats.json"
 
     def train(*extra):
-        argv = ["train-drafter", "--target", str(tiny_target), "--data", str(text), "--out", str(tmp_path / "d"),
-                "--steps", "3", "--sequences", "4", "--prompt-tokens", "8", "--response-tokens", "12",
-                "--anchors", "2", "--data-cache", str(cache), "--stats", str(stats), *extra]
+        argv = [
+            "train-drafter",
+            "--target",
+            str(tiny_target),
+            "--data",
+            str(text),
+            "--out",
+            str(tmp_path / "d"),
+            "--steps",
+            "3",
+            "--sequences",
+            "4",
+            "--prompt-tokens",
+            "8",
+            "--response-tokens",
+            "12",
+            "--anchors",
+            "2",
+            "--data-cache",
+            str(cache),
+            "--stats",
+            str(stats),
+            *extra,
+        ]
         assert main(argv) == 0, capsys.readouterr().err
 
     train()
@@ -82,7 +143,9 @@ def test_train_drafter_writes_stats_and_reuses_its_data_cache(capsys, tiny_targe
 
     built = []
     real_build = pdflash.spec.train.build_training_data
-    monkeypatch.setattr(pdflash.spec.train, "build_training_data", lambda *a, **k: built.append(1) or real_build(*a, **k))
+    monkeypatch.setattr(
+        pdflash.spec.train, "build_training_data", lambda *a, **k: built.append(1) or real_build(*a, **k)
+    )
     train("--lr", "1e-4")  # a training option only: the cached continuations serve
     assert built == []
     train("--response-tokens", "10")  # a data option: the cache is stale and rebuilt

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from pdflash.spec.drafter import load_drafter
-from pdflash.target.loader import load_target
 from pdflash.sampling import SamplingParams, probabilities
+from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator
+from pdflash.target.loader import load_target
 from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
 
 VOCAB = 12
@@ -21,17 +21,22 @@ def chi2_critical(dof: int, z: float = 3.09) -> float:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    target_dir = write_tiny_target(tmp_path_factory.mktemp("t"), with_tokenizer=False, vocab_size=VOCAB, std=0.5,
-                                   num_hidden_layers=2)
+    target_dir = write_tiny_target(
+        tmp_path_factory.mktemp("t"), with_tokenizer=False, vocab_size=VOCAB, std=0.5, num_hidden_layers=2
+    )
     loaded = load_target(target_dir)
-    drafter_dir = write_tiny_drafter(tmp_path_factory.mktemp("d"), target_dir, num_layers=1, block_size=4, std=0.5, seed=3)
+    drafter_dir = write_tiny_drafter(
+        tmp_path_factory.mktemp("d"), target_dir, num_layers=1, block_size=4, std=0.5, seed=3
+    )
     return loaded, load_drafter(drafter_dir, loaded.model)
 
 
 def second_token_distribution(model, params: SamplingParams) -> torch.Tensor:
     """Exact P(second generated token) = Σ_t1 p(t1 | prompt) p(t2 | prompt, t1)."""
     with torch.no_grad():
-        first = probabilities(model.forward([torch.tensor(PROMPT)], [model.new_cache()], last_logits_only=True).logits, params)[0]
+        first = probabilities(
+            model.forward([torch.tensor(PROMPT)], [model.new_cache()], last_logits_only=True).logits, params
+        )[0]
         seqs = [torch.tensor(PROMPT + [t]) for t in range(VOCAB)]
         second = model.forward(seqs, [model.new_cache() for _ in seqs], last_logits_only=True).logits
         return first @ probabilities(second, params)  # [V]

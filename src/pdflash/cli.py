@@ -13,12 +13,15 @@ import attrs
 from pdflash.bundled import default_drafter, default_target
 from pdflash.sampling import SamplingParams
 
+
 def _prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         try:
             return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
-            raise SystemExit(f"pdflash: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+            raise SystemExit(
+                f"pdflash: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}"
+            ) from None
     if tokenizer is None:
         raise SystemExit(f"pdflash: {args.target} has no tokenizer.json; pass --prompt-ids instead of --prompt")
     return tokenizer.encode(args.prompt)
@@ -34,11 +37,17 @@ def _engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
     budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
     if args.expert_cache_bytes is None and args.expert_cache_fraction is None:
         if args.emulate_link_gbps is not None:
-            raise ValueError("--emulate-link-gbps needs --expert-cache-bytes or --expert-cache-fraction "
-                             "(without offloading no expert crosses a link)")
+            raise ValueError(
+                "--emulate-link-gbps needs --expert-cache-bytes or --expert-cache-fraction "
+                "(without offloading no expert crosses a link)"
+            )
         return budgets, None
-    return budgets, {"expert_cache_bytes": args.expert_cache_bytes, "expert_cache_fraction": args.expert_cache_fraction,
-                     "policy": args.eviction, "link_gbps": args.emulate_link_gbps}
+    return budgets, {
+        "expert_cache_bytes": args.expert_cache_bytes,
+        "expert_cache_fraction": args.expert_cache_fraction,
+        "policy": args.eviction,
+        "link_gbps": args.emulate_link_gbps,
+    }
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -49,12 +58,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         budgets, offload = _engine_options(args)
         params = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
             seed=args.seed,
         )
         engine = AsyncEngine.from_pretrained(
-            args.target, None if args.no_spec else args.drafter, block_size=args.block_size,
-            projector=args.projector, dtype=args.dtype, progress=not args.json, max_num_seqs=1, offload=offload,
+            args.target,
+            None if args.no_spec else args.drafter,
+            block_size=args.block_size,
+            projector=args.projector,
+            dtype=args.dtype,
+            progress=not args.json,
+            max_num_seqs=1,
+            offload=offload,
             **budgets,
         )
         prompt = _prompt_ids(args, engine.tokenizer)
@@ -67,8 +85,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         stats = result["stats"]
         tau = f"τ {stats['mean_acceptance_length']:.2f}, " if engine.speculator.drafter else ""
-        print(f"\n[{stats['generated_tokens']} tokens, {tau}{stats['tokens_per_second']:.1f} tokens/s, "
-              f"finish: {stats['finish_reason']}]", file=sys.stderr)
+        print(
+            f"\n[{stats['generated_tokens']} tokens, {tau}{stats['tokens_per_second']:.1f} tokens/s, "
+            f"finish: {stats['finish_reason']}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -92,13 +113,20 @@ async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo:
         "text": text,
         "acceptance_lengths": list(m.acceptance_lengths),
         "stats": {
-            "prompt_tokens": m.prompt_tokens, "generated_tokens": n, "seconds": done - started,
+            "prompt_tokens": m.prompt_tokens,
+            "generated_tokens": n,
+            "seconds": done - started,
             "time_to_first_token_seconds": m.ttft_seconds,
             "tokens_per_second": (n - 1) / (done - first_at) if n > 1 and done > first_at else 0.0,
-        } | (m.session_stats or {}) | {
-            "expert_bytes": m.expert_bytes, "fetch_bytes": m.fetch_bytes,
-            "admission_wait_seconds": m.admission_wait_seconds, "finish_reason": out.finish_reason,
-        } | offload_stats,
+        }
+        | (m.session_stats or {})
+        | {
+            "expert_bytes": m.expert_bytes,
+            "fetch_bytes": m.fetch_bytes,
+            "admission_wait_seconds": m.admission_wait_seconds,
+            "finish_reason": out.finish_reason,
+        }
+        | offload_stats,
     }
 
 
@@ -108,13 +136,25 @@ def _weights_stamp(directory: Path) -> list:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from pdflash.spec.train import (
+        DrafterTrainer,
+        TrainSettings,
+        build_training_data,
+        cached_training_data,
+        text_prompts,
+    )
     from pdflash.target.loader import load_target
-    from pdflash.spec.train import DrafterTrainer, TrainSettings, build_training_data, cached_training_data, text_prompts
 
     try:
         settings = TrainSettings(
-            num_layers=args.layers, block_size=args.block_size, steps=args.steps, minutes=args.minutes,
-            batch_sequences=args.batch, anchors_per_sequence=args.anchors, lr=args.lr, seed=args.seed,
+            num_layers=args.layers,
+            block_size=args.block_size,
+            steps=args.steps,
+            minutes=args.minutes,
+            batch_sequences=args.batch,
+            anchors_per_sequence=args.anchors,
+            lr=args.lr,
+            seed=args.seed,
             tap_layers=args.tap_layers,
         )
         target = load_target(args.target, progress=True)
@@ -125,28 +165,53 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
         def build():
             prompts = text_prompts(target.tokenizer, args.data, count=args.sequences, length=window, seed=args.seed)
-            return build_training_data(target, prompts, response_tokens=args.response_tokens,
-                                       tap_layers=trainer.config.tap_layers, generate=args.generate, progress=True)
+            return build_training_data(
+                target,
+                prompts,
+                response_tokens=args.response_tokens,
+                tap_layers=trainer.config.tap_layers,
+                generate=args.generate,
+                progress=True,
+            )
 
-        key = {"target": str(Path(args.target).resolve()), "weights": _weights_stamp(Path(args.target)),
-               "data": [str(Path(f).resolve()) for f in args.data], "sequences": args.sequences, "window": window,
-               "response_tokens": args.response_tokens, "generate": args.generate,
-               "tap_layers": list(trainer.config.tap_layers), "seed": args.seed}
+        key = {
+            "target": str(Path(args.target).resolve()),
+            "weights": _weights_stamp(Path(args.target)),
+            "data": [str(Path(f).resolve()) for f in args.data],
+            "sequences": args.sequences,
+            "window": window,
+            "response_tokens": args.response_tokens,
+            "generate": args.generate,
+            "tap_layers": list(trainer.config.tap_layers),
+            "seed": args.seed,
+        }
         data = cached_training_data(args.data_cache, key, build)
         result = trainer.train(data, progress=True)
     except ValueError as exc:
         print(f"pdflash: {exc}", file=sys.stderr)
         return 2
     out = trainer.save(args.out)
-    tail = result.losses[-min(50, result.steps):]
-    print(f"wrote {out}: {result.steps} steps in {result.seconds:.0f} s, "
-          f"loss {result.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)} steps)")
+    tail = result.losses[-min(50, result.steps) :]
+    print(
+        f"wrote {out}: {result.steps} steps in {result.seconds:.0f} s, "
+        f"loss {result.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)} steps)"
+    )
     if args.stats:
-        args.stats.write_text(json.dumps({
-            "steps": result.steps, "seconds": result.seconds, "sequences": len(data.token_ids),
-            "first_loss": result.losses[0], "final_loss": sum(tail) / len(tail), "final_loss_steps": len(tail),
-            "losses": result.losses, "settings": attrs.asdict(settings),
-        }, indent=1))
+        args.stats.write_text(
+            json.dumps(
+                {
+                    "steps": result.steps,
+                    "seconds": result.seconds,
+                    "sequences": len(data.token_ids),
+                    "first_loss": result.losses[0],
+                    "final_loss": sum(tail) / len(tail),
+                    "final_loss_steps": len(tail),
+                    "losses": result.losses,
+                    "settings": attrs.asdict(settings),
+                },
+                indent=1,
+            )
+        )
     return 0
 
 
@@ -158,22 +223,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         budgets, offload = _engine_options(args)
-        settings = ServerSettings(model_name=args.served_model_name or Path(args.target).name,
-                                  default_max_tokens=args.default_max_tokens, stats_interval_s=args.stats_interval,
-                                  max_ws_generations=args.max_ws_generations)
+        settings = ServerSettings(
+            model_name=args.served_model_name or Path(args.target).name,
+            default_max_tokens=args.default_max_tokens,
+            stats_interval_s=args.stats_interval,
+            max_ws_generations=args.max_ws_generations,
+        )
         engine = AsyncEngine.from_pretrained(
-            args.target, None if args.no_spec else args.drafter, block_size=args.block_size,
-            projector=args.projector, dtype=args.dtype, device=args.device, progress=True,
-            max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting, offload=offload, **budgets,
+            args.target,
+            None if args.no_spec else args.drafter,
+            block_size=args.block_size,
+            projector=args.projector,
+            dtype=args.dtype,
+            device=args.device,
+            progress=True,
+            max_num_seqs=args.max_num_seqs,
+            max_waiting=args.max_waiting,
+            offload=offload,
+            **budgets,
         )
     except ValueError as exc:
         print(f"pdflash: {exc}", file=sys.stderr)
         return 2
     spec = "autoregressive" if engine.speculator.drafter is None else f"DFlash, block {engine.speculator.block_size}"
-    print(f"pdflash: serving {settings.model_name!r} ({spec}) on http://{args.host}:{args.port} "
-          f"(demo page at /, OpenAI API under /v1, websocket at /ws, metrics at /metrics)", file=sys.stderr)
-    uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    print(
+        f"pdflash: serving {settings.model_name!r} ({spec}) on http://{args.host}:{args.port} "
+        f"(demo page at /, OpenAI API under /v1, websocket at /ws, metrics at /metrics)",
+        file=sys.stderr,
+    )
+    uvicorn.run(
+        create_app(engine, settings),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+    )
     return 0
 
 
@@ -186,67 +270,117 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, help="Hugging Face Qwen3-MoE directory (default: the built-in model)")
-    p.add_argument("--drafter", type=Path,
-                   help="DFlash drafter directory (default: the built-in model's; without one, decode autoregressively)")
+    p.add_argument(
+        "--drafter",
+        type=Path,
+        help="DFlash drafter directory (default: the built-in model's; without one, decode autoregressively)",
+    )
     p.add_argument("--no-spec", action="store_true", help="decode autoregressively even when a drafter is given")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
-    p.add_argument("--projector", default=None, choices=["router", "last-union", "exact"],
-                   help="route projection of each drafted block (default: router with offloading or byte budgets, "
-                        "else last-union, which costs nothing)")
+    p.add_argument(
+        "--projector",
+        default=None,
+        choices=["router", "last-union", "exact"],
+        help="route projection of each drafted block (default: router with offloading or byte budgets, "
+        "else last-union, which costs nothing)",
+    )
 
 
 def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="compute dtype (default float32 on CPU, bfloat16 on a GPU that supports it)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="compute dtype (default float32 on CPU, bfloat16 on a GPU that supports it)",
+    )
 
 
 def _add_budget_and_offload_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verify-token-budget", type=int, default=None,
-                   help="verify admission: tokens per tick (give all four budgets or none; none = token-only)")
-    p.add_argument("--verify-byte-budget", type=int, default=None,
-                   help="verify admission: expert bytes per tick")
-    p.add_argument("--verify-token-cap", type=int, default=None,
-                   help="verify admission: tokens carried at most (>= one block)")
-    p.add_argument("--verify-byte-cap", type=int, default=None,
-                   help="verify admission: expert bytes carried at most (>= one block's largest union)")
+    p.add_argument(
+        "--verify-token-budget",
+        type=int,
+        default=None,
+        help="verify admission: tokens per tick (give all four budgets or none; none = token-only)",
+    )
+    p.add_argument("--verify-byte-budget", type=int, default=None, help="verify admission: expert bytes per tick")
+    p.add_argument(
+        "--verify-token-cap", type=int, default=None, help="verify admission: tokens carried at most (>= one block)"
+    )
+    p.add_argument(
+        "--verify-byte-cap",
+        type=int,
+        default=None,
+        help="verify admission: expert bytes carried at most (>= one block's largest union)",
+    )
     cache = p.add_mutually_exclusive_group()
-    cache.add_argument("--expert-cache-bytes", type=int, default=None,
-                       help="offload experts to the host store behind a device cache of this many bytes")
-    cache.add_argument("--expert-cache-fraction", type=float, default=None,
-                       help="offload experts behind a device cache holding this fraction of all expert bytes")
-    p.add_argument("--eviction", default="activation", choices=["lru", "lfu", "activation"],
-                   help="expert cache eviction policy (default activation: recency-weighted routing history)")
-    p.add_argument("--emulate-link-gbps", type=float, default=None,
-                   help="emulate a host-to-device link of this bandwidth (GB/s) on machines without a GPU")
+    cache.add_argument(
+        "--expert-cache-bytes",
+        type=int,
+        default=None,
+        help="offload experts to the host store behind a device cache of this many bytes",
+    )
+    cache.add_argument(
+        "--expert-cache-fraction",
+        type=float,
+        default=None,
+        help="offload experts behind a device cache holding this fraction of all expert bytes",
+    )
+    p.add_argument(
+        "--eviction",
+        default="activation",
+        choices=["lru", "lfu", "activation"],
+        help="expert cache eviction policy (default activation: recency-weighted routing history)",
+    )
+    p.add_argument(
+        "--emulate-link-gbps",
+        type=float,
+        default=None,
+        help="emulate a host-to-device link of this bandwidth (GB/s) on machines without a GPU",
+    )
 
 
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser(
-        "serve", help="serve the OpenAI-compatible HTTP API, the websocket stream and the demo page",
+        "serve",
+        help="serve the OpenAI-compatible HTTP API, the websocket stream and the demo page",
         description="Serve a model over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions "
-                    "(SSE streaming), /v1/models, /health, /metrics (Prometheus), the websocket /ws and the "
-                    "demo page at /. Stop with Ctrl+C.")
+        "(SSE streaming), /v1/models, /health, /metrics (Prometheus), the websocket /ws and the "
+        "demo page at /. Stop with Ctrl+C.",
+    )
     _add_model_flags(serve)
     _add_dtype_flag(serve)
     serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients use (default: the target directory's name)")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: the target directory's name)"
+    )
     serve.add_argument("--max-num-seqs", type=int, default=64, help="live sequences at most (default 64)")
-    serve.add_argument("--max-waiting", type=int, default=256,
-                       help="queued requests at most; one more is answered 503 (default 256)")
-    serve.add_argument("--default-max-tokens", type=int, default=256,
-                       help="max_tokens of a request that gives none (default 256)")
-    serve.add_argument("--max-ws-generations", type=int, default=32,
-                       help="concurrent generations per websocket (default 32)")
-    serve.add_argument("--stats-interval", type=float, default=0.5,
-                       help="seconds between websocket stats messages (default 0.5)")
+    serve.add_argument(
+        "--max-waiting", type=int, default=256, help="queued requests at most; one more is answered 503 (default 256)"
+    )
+    serve.add_argument(
+        "--default-max-tokens", type=int, default=256, help="max_tokens of a request that gives none (default 256)"
+    )
+    serve.add_argument(
+        "--max-ws-generations", type=int, default=32, help="concurrent generations per websocket (default 32)"
+    )
+    serve.add_argument(
+        "--stats-interval", type=float, default=0.5, help="seconds between websocket stats messages (default 0.5)"
+    )
     _add_budget_and_offload_flags(serve)
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn log level (default info)")
-    serve.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
-                       help="seconds open requests get to finish on shutdown before they are aborted (default 5)")
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level (default info)",
+    )
+    serve.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds open requests get to finish on shutdown before they are aborted (default 5)",
+    )
     serve.set_defaults(func=cmd_serve)
 
 
@@ -257,8 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate a completion for one prompt",
-                         description="Generate a completion for one prompt and stream it to stdout.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        description="Generate a completion for one prompt and stream it to stdout.",
+    )
     _add_model_flags(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
@@ -270,41 +407,64 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     _add_dtype_flag(gen)
     _add_budget_and_offload_flags(gen)
-    gen.add_argument("--json", action="store_true",
-                     help='print one JSON object {"token_ids", "text", "acceptance_lengths", "stats"}')
+    gen.add_argument(
+        "--json", action="store_true", help='print one JSON object {"token_ids", "text", "acceptance_lengths", "stats"}'
+    )
     gen.set_defaults(func=cmd_generate)
 
     _add_serve_parser(sub)
 
     train = sub.add_parser(
-        "train-drafter", help="train a DFlash drafter for a target (writes the published DFlash layout)",
+        "train-drafter",
+        help="train a DFlash drafter for a target (writes the published DFlash layout)",
         description="Train a DFlash drafter against a frozen target: the target continues text windows from "
-                    "--data greedily, its tap hidden states condition the drafter, and blocks at random anchors "
-                    "learn to predict the continuation (position-weighted cross-entropy, AdamW, cosine schedule).")
+        "--data greedily, its tap hidden states condition the drafter, and blocks at random anchors "
+        "learn to predict the continuation (position-weighted cross-entropy, AdamW, cosine schedule).",
+    )
     train.add_argument("--target", type=Path, required=True, help="Qwen3-MoE target directory (with tokenizer.json)")
     train.add_argument("--data", type=Path, nargs="+", required=True, help="text files to draw prompts from")
     train.add_argument("--out", type=Path, required=True, help="directory to write the drafter checkpoint to")
     train.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default 1)")
     train.add_argument("--block-size", type=int, default=8, help="tokens per drafted block (default 8)")
-    train.add_argument("--tap-layers", type=int, nargs="+", default=None,
-                       help="target layers whose hidden states condition the drafter (default: spread as published)")
-    train.add_argument("--steps", type=int, default=2000, help="optimizer steps; the cosine schedule spans them (default 2000)")
-    train.add_argument("--minutes", type=float, default=None,
-                       help="wall-time budget; the cosine schedule follows whichever of --steps and --minutes runs out first")
+    train.add_argument(
+        "--tap-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="target layers whose hidden states condition the drafter (default: spread as published)",
+    )
+    train.add_argument(
+        "--steps", type=int, default=2000, help="optimizer steps; the cosine schedule spans them (default 2000)"
+    )
+    train.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="wall-time budget; the cosine schedule follows whichever of --steps and --minutes runs out first",
+    )
     train.add_argument("--sequences", type=int, default=512, help="training sequences (default 512)")
     train.add_argument("--prompt-tokens", type=int, default=64, help="prompt window per sequence (default 64)")
     train.add_argument("--response-tokens", type=int, default=128, help="continuation per sequence (default 128)")
-    train.add_argument("--no-generate", dest="generate", action="store_false",
-                       help="train on the given text itself instead of the target's own continuations")
+    train.add_argument(
+        "--no-generate",
+        dest="generate",
+        action="store_false",
+        help="train on the given text itself instead of the target's own continuations",
+    )
     train.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     train.add_argument("--anchors", type=int, default=8, help="random blocks per sequence per step (default 8)")
     train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--data-cache", type=Path,
-                       help="keep the target's continuations and tap states in this file and reuse them while "
-                            "the target, data and data options are unchanged (runs that differ only in training "
-                            "options then skip the generation)")
-    train.add_argument("--stats", type=Path, help="also write the training figures (steps, time, losses) to this JSON file")
+    train.add_argument(
+        "--data-cache",
+        type=Path,
+        help="keep the target's continuations and tap states in this file and reuse them while "
+        "the target, data and data options are unchanged (runs that differ only in training "
+        "options then skip the generation)",
+    )
+    train.add_argument(
+        "--stats", type=Path, help="also write the training figures (steps, time, losses) to this JSON file"
+    )
     train.set_defaults(func=cmd_train_drafter)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen3-MoE checkpoint (for tests and trials)")

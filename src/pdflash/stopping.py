@@ -15,7 +15,7 @@ class StopRule:
     limited_by_context: bool  # the context, not max_tokens, sets max_new_tokens
 
     @classmethod
-    def for_request(cls, prompt_len: int, params: SamplingParams, max_positions: int, eos_ids=()) -> "StopRule":
+    def for_request(cls, prompt_len: int, params: SamplingParams, max_positions: int, eos_ids=()) -> StopRule:
         if prompt_len < 1:
             raise ValueError("the prompt must contain at least one token")
         room = max_positions - prompt_len

@@ -11,16 +11,20 @@ import anyio
 import pytest
 from transitions import MachineError
 
-from pdflash.spec.drafter import load_drafter
 from pdflash.engine.async_engine import (
-    AsyncEngine, EngineClosedError, EngineConfig, EngineOverloadedError, largest_block_union_bytes,
+    AsyncEngine,
+    EngineClosedError,
+    EngineConfig,
+    EngineOverloadedError,
+    largest_block_union_bytes,
 )
+from pdflash.engine.outputs import TextStream
+from pdflash.engine.sequence import LIFECYCLE, Sequence, SequenceState
+from pdflash.sampling import SamplingParams
+from pdflash.spec.drafter import load_drafter
+from pdflash.spec.speculator import Speculator
 from pdflash.target.generate import generate_autoregressive
 from pdflash.target.loader import load_target
-from pdflash.engine.outputs import TextStream
-from pdflash.sampling import SamplingParams
-from pdflash.engine.sequence import LIFECYCLE, Sequence, SequenceState
-from pdflash.spec.speculator import Speculator
 from pdflash.target.tiny import write_tiny_drafter
 
 PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63)), [7], list(range(100, 111)), [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -313,13 +317,15 @@ async def test_a_bug_in_the_step_loop_fails_every_request_and_stops_the_engine(m
 
 
 @pytest.mark.asyncio
-async def test_byte_budget_below_one_rounds_demand_completes_on_the_carried_deficit(make_engine, loaded, drafter,
-                                                                                  reference):
+async def test_byte_budget_below_one_rounds_demand_completes_on_the_carried_deficit(
+    make_engine, loaded, drafter, reference
+):
     speculator = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes)
     block_bytes = largest_block_union_bytes(speculator, speculator.block_size)
     one_expert = max(loaded.expert_nbytes.values())
-    async with make_engine(verify_token_budget=64, verify_byte_budget=4 * one_expert, verify_token_cap=64,
-                           verify_byte_cap=2 * block_bytes) as engine:
+    async with make_engine(
+        verify_token_budget=64, verify_byte_budget=4 * one_expert, verify_token_cap=64, verify_byte_cap=2 * block_bytes
+    ) as engine:
         results = await run_all(engine, [(p, GREEDY) for p in PROMPTS])
         stats = await drained(engine)
     assert [ids for ids, _, _ in results] == [reference(p) for p in PROMPTS]

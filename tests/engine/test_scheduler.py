@@ -375,7 +375,9 @@ def test_expert_masks_sum_the_byte_map_over_any_union(size):
 
 
 def test_charge_mode_defaults_to_marginal():
-    assert VerifyScheduler(token_budget=16, token_cap=32, byte_budget=80, byte_cap=160).charge_mode is ChargeMode.MARGINAL
+    assert (
+        VerifyScheduler(token_budget=16, token_cap=32, byte_budget=80, byte_cap=160).charge_mode is ChargeMode.MARGINAL
+    )
 
 
 # --- the scheduler -------------------------------------------------------------------------

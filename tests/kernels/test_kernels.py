@@ -116,9 +116,7 @@ SWIGLU_IMPLS = {"triton": grouped_swiglu_triton, "grouped_mm": grouped_swiglu_to
 @pytest.mark.parametrize("impl", SWIGLU_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_tokens", "hidden", "inter"), [(41, 64, 96), (3, 48, 32)])
-def test_grouped_swiglu_matches_reference_on_ragged_routing(
-    impl, dtype, num_tokens, hidden, inter
-):
+def test_grouped_swiglu_matches_reference_on_ragged_routing(impl, dtype, num_tokens, hidden, inter):
     torch.manual_seed(num_tokens)
     num_experts, top_k = 12, 3
     routing = ragged_routing(num_tokens, num_experts, top_k)
@@ -161,9 +159,7 @@ def test_grouped_swiglu_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"slot_of_expert must be \[E=6\]; got \(5,\)"):
         grouped_swiglu_triton(x, routing, gate, up, down, slots[:5], torch.zeros(4, 32))
     with pytest.raises(ValueError, match=r"out must be float32 \[4, 32\]; got torch.bfloat16"):
-        grouped_swiglu_triton(
-            x, routing, gate, up, down, slots, torch.zeros(4, 32, dtype=torch.bfloat16)
-        )
+        grouped_swiglu_triton(x, routing, gate, up, down, slots, torch.zeros(4, 32, dtype=torch.bfloat16))
 
 
 # ---------------------------------------------------------------- MXFP4 format
@@ -185,8 +181,7 @@ def test_pack_round_trips_representable_values_and_picks_the_scale(k):
 
 
 @pytest.mark.parametrize(
-    ("block_max", "scale_byte"), [(6.0, 127), (6.01, 128), (7.0, 128), (3.0, 126), (12.0, 128),
-                                  (0.75, 124), (0.0, 0)]
+    ("block_max", "scale_byte"), [(6.0, 127), (6.01, 128), (7.0, 128), (3.0, 126), (12.0, 128), (0.75, 124), (0.0, 0)]
 )
 def test_pack_chooses_the_smallest_scale_that_fits(block_max, scale_byte):
     w = torch.full((32,), block_max / 4)
@@ -233,14 +228,10 @@ def test_mxfp4_expert_nbytes_is_the_sum_over_the_expert_tensors():
     down_blocks, down_scales = pack_mxfp4(torch.randn(hidden, inter))
     quantized = [gate_blocks, gate_scales, up_blocks, up_scales, down_blocks, down_scales]
     biases = [torch.zeros(size, dtype=torch.bfloat16) for size in (inter, inter, hidden)]
-    assert mxfp4_expert_nbytes(hidden, inter, bias_dtype=None) == sum(
-        t.numel() * t.element_size() for t in quantized
-    )
+    assert mxfp4_expert_nbytes(hidden, inter, bias_dtype=None) == sum(t.numel() * t.element_size() for t in quantized)
     assert mxfp4_expert_nbytes(hidden, inter) == payload_nbytes(*quantized, *biases)
     layout = mxfp4_expert_layout(hidden, inter)
-    assert [tuple(shape) for shape, _ in layout.values()] == [
-        tuple(t.shape) for t in quantized + biases
-    ]
+    assert [tuple(shape) for shape, _ in layout.values()] == [tuple(t.shape) for t in quantized + biases]
     # gpt-oss-120b: H = I = 2880, bf16 biases
     assert mxfp4_expert_nbytes(2880, 2880) == 3 * 2880 * 90 * 17 + 3 * 2880 * 2
 
@@ -262,10 +253,7 @@ def test_mxfp4_triton_matches_dequantize_then_reference(dtype, with_biases):
     slot_of_expert, num_slots = slots_for(num_experts, skipped=[2, 9])
     x = torch.randn(num_tokens, hidden).to(dtype)
     experts = mxfp4_experts(num_slots, hidden, inter)
-    biases = [
-        torch.randn(num_slots, size).to(dtype) if with_biases else None
-        for size in (inter, inter, hidden)
-    ]
+    biases = [torch.randn(num_slots, size).to(dtype) if with_biases else None for size in (inter, inter, hidden)]
     want, got = torch.zeros(num_tokens, hidden), torch.zeros(num_tokens, hidden)
     mxfp4_grouped_swiglu_reference(x, routing, *experts, slot_of_expert, want, *biases)
     mxfp4_grouped_swiglu_triton(x, routing, *experts, slot_of_expert, got, *biases)
@@ -289,9 +277,7 @@ def test_mxfp4_swiglu_rejects_bad_shapes():
     experts = mxfp4_experts(4, 32, 64)
     experts[3] = experts[3][:, :, :0]  # up_scales [S, I, 0]
     with pytest.raises(ValueError, match=r"up_scales must be torch.uint8 \(4, 64, 1\) for H=32"):
-        mxfp4_grouped_swiglu_triton(
-            torch.randn(3, 32), routing, *experts, torch.arange(4), torch.zeros(3, 32)
-        )
+        mxfp4_grouped_swiglu_triton(torch.randn(3, 32), routing, *experts, torch.arange(4), torch.zeros(3, 32))
 
 
 # ---------------------------------------------------------------- dispatch

@@ -14,11 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_tensor_name
-from pdflash.target.config import ModelConfig
-from pdflash.spec.drafter import load_drafter
-from pdflash.target.generate import generate_autoregressive
-from pdflash.target.loader import load_target
 from pdflash.offload import (
     POLICIES,
     ExpertFetchError,
@@ -30,7 +25,12 @@ from pdflash.offload import (
     make_policy,
 )
 from pdflash.sampling import SamplingParams
+from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator
+from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_tensor_name
+from pdflash.target.config import ModelConfig
+from pdflash.target.generate import generate_autoregressive
+from pdflash.target.loader import load_target
 from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
 
 PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63))]
@@ -92,8 +92,9 @@ def expected(resident):
 def test_offloaded_autoregressive_equals_resident(resident, expected, offloaded, fraction):
     loaded = offloaded(expert_cache_fraction=fraction)
     for prompt in PROMPTS:
-        torch.testing.assert_close(prompt_logits(loaded.model, prompt), prompt_logits(resident.model, prompt),
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            prompt_logits(loaded.model, prompt), prompt_logits(resident.model, prompt), rtol=0, atol=1e-5
+        )
         assert generate_autoregressive(loaded.model, prompt, GREEDY).token_ids == expected[tuple(prompt)]
     assert loaded.model.experts.stats()["misses"] > 0
 
@@ -103,8 +104,13 @@ def test_offloaded_autoregressive_equals_resident(resident, expected, offloaded,
 def test_offloaded_speculative_equals_resident_autoregressive(expected, offloaded, drafter_dir, fraction, route_ahead):
     loaded = offloaded(expert_cache_fraction=fraction)
     provider = loaded.model.experts
-    spec = Speculator(loaded.model, load_drafter(drafter_dir, loaded.model), expert_nbytes=loaded.expert_nbytes,
-                      block_size=8, resident=provider.resident)
+    spec = Speculator(
+        loaded.model,
+        load_drafter(drafter_dir, loaded.model),
+        expert_nbytes=loaded.expert_nbytes,
+        block_size=8,
+        resident=provider.resident,
+    )
     for prompt in PROMPTS:
         session = spec.begin_session(prompt, GREEDY)
         while not session.finished:
@@ -136,8 +142,13 @@ def test_concurrent_forwards_share_a_two_expert_cache(expected, offloaded, store
 
 def test_speculator_fetch_bytes_exclude_resident_experts(offloaded, drafter_dir):
     loaded = offloaded(expert_cache_fraction=0.5)
-    spec = Speculator(loaded.model, load_drafter(drafter_dir, loaded.model), expert_nbytes=loaded.expert_nbytes,
-                      block_size=8, resident=loaded.model.experts.resident)
+    spec = Speculator(
+        loaded.model,
+        load_drafter(drafter_dir, loaded.model),
+        expert_nbytes=loaded.expert_nbytes,
+        block_size=8,
+        resident=loaded.model.experts.resident,
+    )
     session = spec.begin_session(PROMPTS[1], GREEDY)
     resident = loaded.model.experts.resident()
     draft = spec.draft_round(session)
@@ -151,8 +162,9 @@ def test_mixed_stored_dtypes_compute_identically(tmp_path, offloaded):
     loaded = offloaded(directory, expert_cache_fraction=0.25)
     reference = load_target(directory)
     for prompt in PROMPTS:
-        torch.testing.assert_close(prompt_logits(loaded.model, prompt), prompt_logits(reference.model, prompt),
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            prompt_logits(loaded.model, prompt), prompt_logits(reference.model, prompt), rtol=0, atol=1e-5
+        )
 
 
 # -- budget, pins, bytes -------------------------------------------------------------------------
@@ -162,16 +174,30 @@ def test_cache_stays_in_budget_and_pinned_experts_survive_concurrency(store, con
     E, layers = config.num_experts, list(config.moe_layer_ids)
     slots = data.draw(st.integers(2, 10), label="slots")
     slow_link = data.draw(st.booleans(), label="slow link")  # fetches that stay in flight while others run
-    provider = provider_over(store, config, expert_cache_bytes=slots * 3 * 32 * 64 * 4 + 7,
-                             policy=data.draw(st.sampled_from(sorted(POLICIES)), label="policy"),
-                             link_gbps=100.0 if slow_link else None, link_latency_s=2e-4 if slow_link else 0.0)
-    waves_op = st.tuples(st.just("waves"), st.sampled_from(layers),
-                         st.lists(st.integers(0, E - 1), min_size=1, max_size=E, unique=True), st.booleans())
-    prefetch_op = st.tuples(st.just("prefetch"), st.lists(st.tuples(st.sampled_from(layers), st.integers(0, E - 1)),
-                                                          max_size=10),
-                            st.sampled_from([Priority.ROUTE_AHEAD, Priority.BACKGROUND]), st.booleans())
-    programs = data.draw(st.lists(st.lists(st.one_of(waves_op, prefetch_op), min_size=1, max_size=6),
-                                  min_size=2, max_size=3), label="programs")
+    provider = provider_over(
+        store,
+        config,
+        expert_cache_bytes=slots * 3 * 32 * 64 * 4 + 7,
+        policy=data.draw(st.sampled_from(sorted(POLICIES)), label="policy"),
+        link_gbps=100.0 if slow_link else None,
+        link_latency_s=2e-4 if slow_link else 0.0,
+    )
+    waves_op = st.tuples(
+        st.just("waves"),
+        st.sampled_from(layers),
+        st.lists(st.integers(0, E - 1), min_size=1, max_size=E, unique=True),
+        st.booleans(),
+    )
+    prefetch_op = st.tuples(
+        st.just("prefetch"),
+        st.lists(st.tuples(st.sampled_from(layers), st.integers(0, E - 1)), max_size=10),
+        st.sampled_from([Priority.ROUTE_AHEAD, Priority.BACKGROUND]),
+        st.booleans(),
+    )
+    programs = data.draw(
+        st.lists(st.lists(st.one_of(waves_op, prefetch_op), min_size=1, max_size=6), min_size=2, max_size=3),
+        label="programs",
+    )
     failures = []
 
     def run(program):
@@ -305,16 +331,20 @@ def test_corrupt_expert_fails_only_the_forward_that_needs_it(resident, offloaded
         prompt_logits(loaded.model, prompt_a)
     assert (layer, victim) not in provider.resident()
     assert all(entry.pins == 0 for entry in provider._table.values())
-    torch.testing.assert_close(prompt_logits(loaded.model, prompt_b), prompt_logits(resident.model, prompt_b),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        prompt_logits(loaded.model, prompt_b), prompt_logits(resident.model, prompt_b), rtol=0, atol=1e-5
+    )
     with pytest.raises(ExpertFetchError, match=message):  # not left half-resident: fetched again, fails again
         prompt_logits(loaded.model, prompt_a)
     assert provider.stats()["fetch_errors"] == 2
 
 
 def test_budget_below_two_experts_is_rejected(store, config):
-    with pytest.raises(ValueError, match=r"budget of 30000 bytes holds 1 expert\(s\) of 24576 bytes .*"
-                                         r"the minimum is 2 experts = 49152 bytes"):
+    with pytest.raises(
+        ValueError,
+        match=r"budget of 30000 bytes holds 1 expert\(s\) of 24576 bytes .*"
+        r"the minimum is 2 experts = 49152 bytes",
+    ):
         provider_over(store, config, expert_cache_bytes=30_000)
 
 
@@ -419,4 +449,3 @@ def corrupt(file, name: str, how: str) -> None:
         start = json.loads(handle.read(header_len))[name]["data_offsets"][0]
         handle.seek(8 + header_len + start)
         handle.write(struct.pack("<f", float("inf")))
-

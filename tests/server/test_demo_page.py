@@ -12,18 +12,28 @@ from pdflash.target.tiny import write_tiny_drafter
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
-                                reason=f"{CHROMIUM} is missing (Debian's chromium: apt-get install chromium)")
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (Debian's chromium: apt-get install chromium)"
+)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tmp_path_factory):
     drafter = write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_target)
-    engine = AsyncEngine.from_pretrained(tiny_target, drafter, block_size=4,
-                                         offload={"expert_cache_fraction": 0.5, "link_gbps": 16.0})
+    engine = AsyncEngine.from_pretrained(
+        tiny_target, drafter, block_size=4, offload={"expert_cache_fraction": 0.5, "link_gbps": 16.0}
+    )
     app = create_app(engine, ServerSettings(model_name="tiny-demo", stats_interval_s=0.2))
     with BackgroundServer(app) as running:
         yield running

@@ -33,8 +33,13 @@ def drafter_dir(tiny_target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_target, drafter_dir):
     """DFlash (block 4) with offloaded experts behind a half-size cache: every metric has data."""
-    engine = AsyncEngine.from_pretrained(tiny_target, drafter_dir, block_size=4, max_num_seqs=8,
-                                         offload={"expert_cache_fraction": 0.5, "link_gbps": 16.0})
+    engine = AsyncEngine.from_pretrained(
+        tiny_target,
+        drafter_dir,
+        block_size=4,
+        max_num_seqs=8,
+        offload={"expert_cache_fraction": 0.5, "link_gbps": 16.0},
+    )
     app = create_app(engine, ServerSettings(model_name=MODEL, stats_interval_s=0.1, default_max_tokens=16))
     with BackgroundServer(app) as running:
         yield running
@@ -80,8 +85,11 @@ def test_openai_client_streams_completion_and_chat_equal_to_whole_responses(clie
     assert [m.id for m in client.models.list().data] == [MODEL]
 
     whole = client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=20)
-    chunks = list(client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=20, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="def fib(n):", max_tokens=20, stream=True, stream_options={"include_usage": True}
+        )
+    )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert whole.choices[0].text and streamed == whole.choices[0].text
     assert whole.choices[0].finish_reason == "length" == [c for c in chunks if c.choices][-1].choices[0].finish_reason
@@ -100,8 +108,9 @@ def test_openai_client_streams_completion_and_chat_equal_to_whole_responses(clie
 
 
 def test_seeded_sampling_and_token_id_prompts_reproduce(client):
-    kwargs = dict(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=12, temperature=0.9, top_p=0.95, seed=7,
-                  extra_body={"top_k": 20})
+    kwargs = dict(
+        model=MODEL, prompt=[1, 2, 3, 4], max_tokens=12, temperature=0.9, top_p=0.95, seed=7, extra_body={"top_k": 20}
+    )
     first = client.completions.create(**kwargs)
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
     assert first.usage.prompt_tokens == 4 and streamed == first.choices[0].text
@@ -116,25 +125,28 @@ def test_stop_string_ends_the_text_before_it(client):
     assert stopped.choices[0].text == text[: text.index(stop)]
 
 
-@pytest.mark.parametrize(("body", "status", "param", "code"), [
-    (b"{not json", 400, None, "invalid_json"),
-    (b"[1, 2]", 400, None, None),
-    ({"model": "gpt-5", "prompt": "hi"}, 404, "model", "model_not_found"),
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature", None),
-    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
-    ({"prompt": "hi", "top_p": 0}, 400, "top_p", None),
-    ({"prompt": "hi", "top_k": -3}, 400, "top_k", None),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
-    ({"prompt": "hi", "seed": 1.5}, 400, "seed", None),
-    ({"prompt": "hi", "n": 2}, 400, "n", None),
-    ({"prompt": "hi", "stream": "yes"}, 400, "stream", None),
-    ({"prompt": "hi", "frobnicate": True}, 400, "frobnicate", None),
-    ({"prompt": ""}, 400, "prompt", None),
-    ({"prompt": [1, 99999]}, 400, "prompt", None),
-    ({"prompt": ["a", "b"]}, 400, "prompt", None),
-    ({"prompt": [5] * 2048}, 400, "prompt", None),  # no room left in the 2048-token context
-    ({"prompt": [5] * 2044, "max_tokens": 5000}, 200, None, None),  # clipped to the context's 4 tokens left
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        (b"{not json", 400, None, "invalid_json"),
+        (b"[1, 2]", 400, None, None),
+        ({"model": "gpt-5", "prompt": "hi"}, 404, "model", "model_not_found"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature", None),
+        ({"prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p", None),
+        ({"prompt": "hi", "top_k": -3}, 400, "top_k", None),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+        ({"prompt": "hi", "seed": 1.5}, 400, "seed", None),
+        ({"prompt": "hi", "n": 2}, 400, "n", None),
+        ({"prompt": "hi", "stream": "yes"}, 400, "stream", None),
+        ({"prompt": "hi", "frobnicate": True}, 400, "frobnicate", None),
+        ({"prompt": ""}, 400, "prompt", None),
+        ({"prompt": [1, 99999]}, 400, "prompt", None),
+        ({"prompt": ["a", "b"]}, 400, "prompt", None),
+        ({"prompt": [5] * 2048}, 400, "prompt", None),  # no room left in the 2048-token context
+        ({"prompt": [5] * 2044, "max_tokens": 5000}, 200, None, None),  # clipped to the context's 4 tokens left
+    ],
+)
 def test_bad_completion_requests_get_openai_errors_and_the_server_keeps_serving(http, body, status, param, code):
     content = body if isinstance(body, bytes) else json.dumps({"max_tokens": 4, **body}).encode()
     r = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
@@ -147,13 +159,16 @@ def test_bad_completion_requests_get_openai_errors_and_the_server_keeps_serving(
     assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ],
+)
 def test_bad_chat_requests_name_the_field(http, body, param):
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -222,7 +237,8 @@ def test_a_full_queue_answers_503_and_the_server_recovers(tiny_target):
                     assert r.json()["error"]["code"] == "overloaded" and set(r.json()["error"]) == ERROR_FIELDS
                     with pytest.raises(openai.InternalServerError):
                         openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(
-                            model=MODEL, prompt="x", max_tokens=2)
+                            model=MODEL, prompt="x", max_tokens=2
+                        )
         assert wait_until_idle(http)["live_sequences"] == 0
         assert http.post("/v1/completions", json={"prompt": "again", "max_tokens": 2}).status_code == 200
         assert sample(metric_samples(http), "pdflash_requests_total", endpoint="/v1/completions", status="503") == 2
@@ -271,25 +287,34 @@ def test_websocket_runs_three_generations_at_once_and_cancels_one(server, client
     assert wait_until_idle(http, 5.0)["live_sequences"] == 0
 
 
-@pytest.mark.parametrize(("message", "code", "param"), [
-    ("this is not json", "invalid_json", None),
-    ('["start"]', "invalid_message", None),
-    ('{"type": "fly"}', "unknown_type", "type"),
-    ('{"type": "start", "prompt": "x"}', "invalid_message", "id"),
-    ('{"type": "start", "id": true, "prompt": "x"}', "invalid_message", "id"),
-    ('{"type": "start", "id": "m"}', "invalid_message", "prompt"),
-    ('{"type": "start", "id": "m", "prompt": "x", "colour": 1}', "invalid_message", "colour"),
-    ('{"type": "start", "id": "m", "prompt": "x", "params": {"temperature": -1}}',
-     "invalid_params", "params.temperature"),
-    ('{"type": "start", "id": "m", "prompt": "x", "params": {"max_tokens": "many"}}',
-     "invalid_params", "params.max_tokens"),
-    ('{"type": "start", "id": "m", "prompt": "x", "params": {"beam": 4}}', "invalid_params", "params.beam"),
-    ('{"type": "start", "id": "m", "prompt": "x", "params": [1]}', "invalid_params", "params"),
-    ('{"type": "start", "id": "m", "prompt": []}', "invalid_request", "prompt"),
-    ('{"type": "start", "id": "m", "prompt": [999999]}', "invalid_request", "prompt"),
-    ('{"type": "cancel", "id": "nobody"}', "unknown_id", "id"),
-    (b"\x00binary", "invalid_message", None),
-])
+@pytest.mark.parametrize(
+    ("message", "code", "param"),
+    [
+        ("this is not json", "invalid_json", None),
+        ('["start"]', "invalid_message", None),
+        ('{"type": "fly"}', "unknown_type", "type"),
+        ('{"type": "start", "prompt": "x"}', "invalid_message", "id"),
+        ('{"type": "start", "id": true, "prompt": "x"}', "invalid_message", "id"),
+        ('{"type": "start", "id": "m"}', "invalid_message", "prompt"),
+        ('{"type": "start", "id": "m", "prompt": "x", "colour": 1}', "invalid_message", "colour"),
+        (
+            '{"type": "start", "id": "m", "prompt": "x", "params": {"temperature": -1}}',
+            "invalid_params",
+            "params.temperature",
+        ),
+        (
+            '{"type": "start", "id": "m", "prompt": "x", "params": {"max_tokens": "many"}}',
+            "invalid_params",
+            "params.max_tokens",
+        ),
+        ('{"type": "start", "id": "m", "prompt": "x", "params": {"beam": 4}}', "invalid_params", "params.beam"),
+        ('{"type": "start", "id": "m", "prompt": "x", "params": [1]}', "invalid_params", "params"),
+        ('{"type": "start", "id": "m", "prompt": []}', "invalid_request", "prompt"),
+        ('{"type": "start", "id": "m", "prompt": [999999]}', "invalid_request", "prompt"),
+        ('{"type": "cancel", "id": "nobody"}', "unknown_id", "id"),
+        (b"\x00binary", "invalid_message", None),
+    ],
+)
 def test_websocket_malformed_messages_get_errors_and_the_socket_stays_usable(server, message, code, param):
     with connect(server.ws_url) as ws:
         ws.send(message)
@@ -302,8 +327,12 @@ def test_websocket_malformed_messages_get_errors_and_the_socket_stays_usable(ser
 
 def test_websocket_duplicate_running_id_is_refused_and_chat_messages_work(server):
     with connect(server.ws_url) as ws:
-        start = {"type": "start", "id": "dup", "messages": [{"role": "user", "content": "hi"}],
-                 "params": {"max_tokens": 40}}
+        start = {
+            "type": "start",
+            "id": "dup",
+            "messages": [{"role": "user", "content": "hi"}],
+            "params": {"max_tokens": 40},
+        }
         ws.send(json.dumps(start))
         ws.send(json.dumps(start))
         deltas, done, others = receive_until_done(ws, ["dup"])
@@ -335,9 +364,13 @@ def test_metrics_cover_requests_latency_acceptance_and_expert_traffic(client, ht
     assert sample(s, "pdflash_requests_total", endpoint="/v1/completions", status="200") >= 1
     assert sample(s, "pdflash_requests_total", endpoint="/v1/completions", status="400") >= 1
     assert sample(s, "pdflash_generated_tokens_total") >= 8
-    for histogram in ("pdflash_time_to_first_token_seconds", "pdflash_inter_token_latency_seconds",
-                      "pdflash_acceptance_length", "pdflash_request_admission_wait_seconds",
-                      "pdflash_verify_batch_size"):
+    for histogram in (
+        "pdflash_time_to_first_token_seconds",
+        "pdflash_inter_token_latency_seconds",
+        "pdflash_acceptance_length",
+        "pdflash_request_admission_wait_seconds",
+        "pdflash_verify_batch_size",
+    ):
         assert sample(s, histogram + "_count") > 0, histogram
     assert sample(s, "pdflash_expert_bytes_fetched_total") > 0
     assert 0 <= sample(s, "pdflash_expert_cache_hit_rate") <= 1
@@ -360,9 +393,25 @@ def test_pdflash_serve_process_serves_and_stops_on_sigint(tiny_target, tmp_path)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdflash.cli", "serve", "--target", str(tiny_target), "--port",
-                             str(port), "--no-spec", "--log-level", "warning"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdflash.cli",
+            "serve",
+            "--target",
+            str(tiny_target),
+            "--port",
+            str(port),
+            "--no-spec",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -70,8 +70,11 @@ def scrape(server) -> dict:
     import httpx
 
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        s.name + json.dumps(s.labels, sort_keys=True): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_100_clients_two_generations_each(server, caplog):
@@ -79,7 +82,7 @@ def test_100_clients_two_generations_each(server, caplog):
     # the reference: each prompt alone (one client, one generation at a time)
     reference = {}
     for prompt in PROMPTS:
-        (tokens, text, done), = asyncio.run(run_client(server.ws_url, [prompt])).values()
+        ((tokens, text, done),) = asyncio.run(run_client(server.ws_url, [prompt])).values()
         assert done["finish_reason"] == "length" and len(tokens) == MAX_TOKENS
         reference[prompt] = (tokens, text)
     asyncio.run(run_clients(server.ws_url, 20))  # warm up the allocator and the server's code paths
@@ -109,7 +112,8 @@ def test_100_clients_two_generations_each(server, caplog):
         time.sleep(0.05)
     assert idle, {k: v for k, v in metrics.items() if "live" in k or "connections" in k}
     assert metrics['pdflash_ws_generations_total{"outcome": "length"}'] == (
-        len(PROMPTS) + 20 * PER_CLIENT + CLIENTS * PER_CLIENT)
+        len(PROMPTS) + 20 * PER_CLIENT + CLIENTS * PER_CLIENT
+    )
     assert metrics.get('pdflash_ws_messages_total{"type": "invalid"}', 0) == 0
     assert metrics['pdflash_engine_requests_total{"outcome": "failed"}'] == 0
     server_errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -118,6 +122,9 @@ def test_100_clients_two_generations_each(server, caplog):
     gc.collect()
     rss_after = rss_bytes()
     assert rss_after - rss_before < RSS_SLACK_BYTES, (
-        f"RSS grew by {(rss_after - rss_before) / 2**20:.1f} MiB over {CLIENTS * PER_CLIENT} generations")
-    print(f"\n{CLIENTS} clients x {PER_CLIENT} generations x {MAX_TOKENS} tokens: {elapsed:.2f} s, "
-          f"RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
+        f"RSS grew by {(rss_after - rss_before) / 2**20:.1f} MiB over {CLIENTS * PER_CLIENT} generations"
+    )
+    print(
+        f"\n{CLIENTS} clients x {PER_CLIENT} generations x {MAX_TOKENS} tokens: {elapsed:.2f} s, "
+        f"RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB"
+    )

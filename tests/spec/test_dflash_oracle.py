@@ -5,24 +5,32 @@ import time
 
 import pytest
 import torch
-
 from hf_fixtures import write_hf_checkpoint
-from pdflash.spec.drafter import load_drafter
-from pdflash.target.loader import load_target
+
 from pdflash.sampling import SamplingParams
+from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator, speculative_generate
+from pdflash.target.loader import load_target
 from pdflash.target.tiny import write_tiny_drafter
 
-dflash_model = pytest.importorskip("dflash.model", reason="install the test oracle: pip install --no-deps dflash==0.1.0")
+dflash_model = pytest.importorskip(
+    "dflash.model", reason="install the test oracle: pip install --no-deps dflash==0.1.0"
+)
 dflash_model._cuda_time = time.perf_counter
 
 PROMPT = [3, 17, 42, 8, 91, 5, 60, 33, 2, 77, 14, 29]
 DRAFTERS = {
     "full": dict(num_layers=2, block_size=8),
-    "sliding": dict(num_layers=2, block_size=4, layer_types=["sliding_attention", "full_attention"],
-                    use_sliding_window=True, sliding_window=6),
-    "sliding_unbounded": dict(num_layers=2, block_size=8, layer_types=["full_attention", "sliding_attention"],
-                              sliding_window=6),
+    "sliding": dict(
+        num_layers=2,
+        block_size=4,
+        layer_types=["sliding_attention", "full_attention"],
+        use_sliding_window=True,
+        sliding_window=6,
+    ),
+    "sliding_unbounded": dict(
+        num_layers=2, block_size=8, layer_types=["full_attention", "sliding_attention"], sliding_window=6
+    ),
     "one_layer": dict(num_layers=1, block_size=16),
 }
 
@@ -46,8 +54,9 @@ GENERATES = sorted(set(DRAFTERS) - {"sliding_unbounded"})
 
 @pytest.fixture(scope="module")
 def pair(request, target_dir, hf_target, tmp_path_factory):
-    drafter_dir = write_tiny_drafter(tmp_path_factory.mktemp(request.param), target_dir, std=0.2,
-                                     **DRAFTERS[request.param])
+    drafter_dir = write_tiny_drafter(
+        tmp_path_factory.mktemp(request.param), target_dir, std=0.2, **DRAFTERS[request.param]
+    )
     reference = dflash_model.DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
     loaded = load_target(target_dir)
     return loaded, load_drafter(drafter_dir, loaded.model), reference
@@ -76,7 +85,7 @@ def test_greedy_tokens_and_acceptance_match_reference(pair, hf_target):
         stats = dflash_model.dflash_generate(
             reference, hf_target, torch.tensor([PROMPT]), max_new_tokens=48, stop_token_ids=None, return_stats=True
         )
-    expected_tokens = stats.output_ids[0, len(PROMPT):].tolist()
+    expected_tokens = stats.output_ids[0, len(PROMPT) :].tolist()
     spec = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes)
     result = speculative_generate(spec, PROMPT, SamplingParams(max_tokens=48))
     assert list(result.token_ids) == expected_tokens

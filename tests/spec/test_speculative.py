@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from pdflash.spec.drafter import load_drafter
 from pdflash.errors import CheckpointError
+from pdflash.sampling import SamplingParams
+from pdflash.spec.drafter import load_drafter
+from pdflash.spec.projection import routed_union, union_bytes
+from pdflash.spec.speculator import RoundOrderError, Speculator, speculative_generate
 from pdflash.target.generate import generate_autoregressive
 from pdflash.target.loader import load_target
-from pdflash.spec.projection import routed_union, union_bytes
-from pdflash.sampling import SamplingParams
-from pdflash.spec.speculator import RoundOrderError, Speculator, speculative_generate
 from pdflash.target.tiny import write_tiny_drafter
 
 PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63)), [7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
@@ -61,8 +61,11 @@ def test_trained_like_drafter_accepts_more_than_one(loaded, drafter):
     spec.draft_round(session)
     position = len(session.emitted)
     session.pending = session.pending.__class__(
-        block=(session.anchor, *truth[position : position + 3]), expert_union=frozenset(), expert_bytes=0,
-        fetch_bytes=0, projection_seconds=0.0,
+        block=(session.anchor, *truth[position : position + 3]),
+        expert_union=frozenset(),
+        expert_bytes=0,
+        fetch_bytes=0,
+        projection_seconds=0.0,
     )
     result = spec.verify_round(session)
     assert result.accept_len == 3 and list(result.accepted_ids) == list(truth[position : position + 4])
@@ -98,7 +101,9 @@ def test_stop_token_truncates_right_after_it(loaded, drafter):
     full = generate_autoregressive(loaded.model, PROMPTS[1], params).token_ids
     stop = full[10]
     cut = full[: full.index(stop) + 1]
-    result = speculative_generate(speculator(loaded, drafter), PROMPTS[1], SamplingParams(max_tokens=30, stop_token_ids=[stop]))
+    result = speculative_generate(
+        speculator(loaded, drafter), PROMPTS[1], SamplingParams(max_tokens=30, stop_token_ids=[stop])
+    )
     assert result.token_ids == cut and result.finish_reason == "stop"
 
 
@@ -120,7 +125,9 @@ def test_exact_projector_has_full_coverage(loaded, drafter):
 
 @pytest.mark.parametrize("projector", ["router", "last-union"])
 def test_projectors_record_coverage_and_waste(loaded, drafter, projector):
-    result = speculative_generate(speculator(loaded, drafter, projector=projector), PROMPTS[1], SamplingParams(max_tokens=24))
+    result = speculative_generate(
+        speculator(loaded, drafter, projector=projector), PROMPTS[1], SamplingParams(max_tokens=24)
+    )
     assert 0.0 < result.stats["projection_coverage"] <= 1.0
     assert result.stats["projection_waste_bytes"] >= 0
     assert result.stats["verify_seconds"] > 0 and result.stats["projection_seconds"] > 0
@@ -164,6 +171,7 @@ def test_mismatched_drafter_is_rejected(loaded, tiny_target, tmp_path, override,
 
 def test_fc_shape_mismatch_is_rejected(loaded, tiny_target, tmp_path):
     import json
+
     d = write_tiny_drafter(tmp_path / "d", tiny_target, num_layers=2)
     cfg = json.loads((d / "config.json").read_text())
     cfg["dflash_config"]["target_layer_ids"] = [0, 1, 2]

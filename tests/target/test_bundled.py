@@ -3,11 +3,11 @@
 import pytest
 
 from pdflash.bundled import BUNDLED_DRAFTER, BUNDLED_TARGET, default_drafter, default_target
+from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
+from pdflash.spec.speculator import Speculator, speculative_generate
 from pdflash.target.generate import generate_autoregressive
 from pdflash.target.loader import load_target
-from pdflash.sampling import SamplingParams
-from pdflash.spec.speculator import Speculator, speculative_generate
 
 MAX_PAIR_BYTES = 25 * 1000 * 1000
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdflash.errors import CheckpointError, ContextLimitError
+from pdflash.sampling import SamplingParams
 from pdflash.target.attention import SHORT_BLOCK, attend
 from pdflash.target.checkpoint import Checkpoint, expert_byte_map
 from pdflash.target.config import ModelConfig
-from pdflash.errors import CheckpointError, ContextLimitError
 from pdflash.target.generate import generate_autoregressive
 from pdflash.target.loader import load_target
-from pdflash.sampling import SamplingParams
 from pdflash.target.tiny import write_tiny_target
 
 
@@ -26,7 +26,9 @@ def model(tiny_target):
 @pytest.mark.parametrize("masked", [False, True])
 def test_attend_matches_sdpa_with_grouped_heads(queries, masked):
     g = torch.Generator().manual_seed(queries)
-    q, k, v = (torch.randn(shape, generator=g) for shape in ((8, queries, 16), (2, 40 + queries, 16), (2, 40 + queries, 16)))
+    q, k, v = (
+        torch.randn(shape, generator=g) for shape in ((8, queries, 16), (2, 40 + queries, 16), (2, 40 + queries, 16))
+    )
     visible = torch.rand((queries, 40 + queries), generator=g) < 0.7 if masked else None
     if masked:
         visible[:, -1] = True  # every query sees at least one key
@@ -49,7 +51,7 @@ def test_ragged_batch_with_different_cache_lengths(model):
     steps = [torch.tensor([7, 8]), torch.tensor([1]), torch.tensor([4, 5, 6])]
     batch = model.forward(steps, caches)
     for prompt, step, got in zip(prompts, steps, batch.split(batch.logits)):
-        full = model.forward([torch.cat([prompt, step])], [model.new_cache()]).logits[-step.numel():]
+        full = model.forward([torch.cat([prompt, step])], [model.new_cache()]).logits[-step.numel() :]
         torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
 
 

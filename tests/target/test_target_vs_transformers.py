@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from pdflash.sampling import SamplingParams
 from pdflash.target.generate import generate_autoregressive
 from pdflash.target.loader import load_target
-from pdflash.sampling import SamplingParams
 
 PROMPT = [3, 17, 42, 8, 91, 5, 60, 33, 2, 77, 14, 29]
 
@@ -29,9 +29,13 @@ def test_64_greedy_tokens_match_transformers(hf_checkpoint, hf_model):
     target = load_target(hf_checkpoint).model
     with torch.no_grad():
         expected = hf_model.generate(
-            torch.tensor([PROMPT]), max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None,
+            torch.tensor([PROMPT]),
+            max_new_tokens=64,
+            min_new_tokens=64,
+            do_sample=False,
+            eos_token_id=None,
             pad_token_id=0,
-        )[0, len(PROMPT):].tolist()
+        )[0, len(PROMPT) :].tolist()
     got = generate_autoregressive(target, PROMPT, SamplingParams(max_tokens=64)).token_ids
     assert list(got) == expected
 

@@ -26,10 +26,10 @@ import attrs
 
 from pdflash.engine.lanes import Lane, Lanes, off_thread
 from pdflash.engine.outputs import RequestOutput, TextStream
-from pdflash.spec.projection import ExpertKey
-from pdflash.sampling import SamplingParams
 from pdflash.engine.scheduler import ChargeMode, VerifyScheduler
 from pdflash.engine.sequence import RoundSnapshot, Sequence, SequenceState
+from pdflash.sampling import SamplingParams
+from pdflash.spec.projection import ExpertKey
 from pdflash.spec.speculator import Speculator
 from pdflash.stopping import StopRule
 from pdflash.target.tokenizer import TextTokenizer
@@ -210,17 +210,28 @@ class AsyncEngine:
         if offload is not None:
             from pdflash.offload import load_offloaded_target
 
-            loaded = off_thread(lambda: load_offloaded_target(
-                target, dtype=dtype, device=device, progress=progress, **offload))
+            loaded = off_thread(
+                lambda: load_offloaded_target(target, dtype=dtype, device=device, progress=progress, **offload)
+            )
             provider = loaded.model.experts
         else:
-            loaded, provider = off_thread(lambda: load_target(target, dtype=dtype, device=device, progress=progress)), None
+            loaded, provider = (
+                off_thread(lambda: load_target(target, dtype=dtype, device=device, progress=progress)),
+                None,
+            )
         try:
-            draft_model = (off_thread(lambda: load_drafter(drafter, loaded.model, progress=progress))
-                           if drafter is not None else None)
+            draft_model = (
+                off_thread(lambda: load_drafter(drafter, loaded.model, progress=progress))
+                if drafter is not None
+                else None
+            )
             speculator = Speculator(
-                loaded.model, draft_model, expert_nbytes=loaded.expert_nbytes, projector=projector,
-                block_size=block_size, resident=provider.resident if provider is not None else frozenset,
+                loaded.model,
+                draft_model,
+                expert_nbytes=loaded.expert_nbytes,
+                projector=projector,
+                block_size=block_size,
+                resident=provider.resident if provider is not None else frozenset,
             )
             engine = cls(speculator, loaded.tokenizer, engine_config, provider=provider)
         except BaseException:
@@ -348,13 +359,20 @@ class AsyncEngine:
             pending_demands=sched.pending + sched.in_flight,
             kv_bytes=sum(s.kv_bytes for s in self._seqs.values()),
             pinned_experts=len(frozenset().union(*(s.pinned for s in self._seqs.values()))),
-            requests=t.requests, finished=t.finished, aborted=t.aborted, failed=t.failed,
-            generated_tokens=t.tokens, verify_rounds=t.verify_rounds, steps=t.steps,
+            requests=t.requests,
+            finished=t.finished,
+            aborted=t.aborted,
+            failed=t.failed,
+            generated_tokens=t.tokens,
+            verify_rounds=t.verify_rounds,
+            steps=t.steps,
             mean_acceptance_length=t.verify_tokens / t.verify_rounds if t.verify_rounds else 0.0,
             verify_batch_sizes=dict(sorted(t.verify_batches.items())),
-            admission_wait_p50_s=sched.wait_p50_s, admission_wait_p99_s=sched.wait_p99_s,
+            admission_wait_p50_s=sched.wait_p50_s,
+            admission_wait_p99_s=sched.wait_p99_s,
             model_seconds=self._lanes.model_seconds if self._lanes else 0.0,
-            prefetch_requests=t.prefetch_requests, prefetch_errors=t.prefetch_errors,
+            prefetch_requests=t.prefetch_requests,
+            prefetch_errors=t.prefetch_errors,
             provider=self.provider.stats() if hasattr(self.provider, "stats") else None,
         )
 
@@ -401,8 +419,13 @@ class AsyncEngine:
     async def _prefill(self, batch: list[Sequence]) -> None:
         if not batch:
             return
-        done = await self._on_lane(self._lanes.verify, self.speculator.begin_sessions, batch,
-                                   lambda s: (s.prompt_ids, s.params), snapshot=False)
+        done = await self._on_lane(
+            self._lanes.verify,
+            self.speculator.begin_sessions,
+            batch,
+            lambda s: (s.prompt_ids, s.params),
+            snapshot=False,
+        )
         for seq, session in done:
             seq.session = session
         self._settle(batch)
@@ -421,7 +444,8 @@ class AsyncEngine:
             if seq.live:
                 with self._isolated(seq):
                     seq.ticket = self.scheduler.register(
-                        seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes)
+                        seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes
+                    )
                     seq.drafted_at = now
                     seq.drafted()
 
@@ -473,8 +497,9 @@ class AsyncEngine:
                     self._totals.verify_tokens += trace.acceptance_length
                     self._advance(seq, list(result.accepted_ids), result.finish_reason, seq.verified)
 
-    def _advance(self, seq: Sequence, token_ids: list[int], finish_reason: str | None,
-                 next_state: Callable[[], bool]) -> None:
+    def _advance(
+        self, seq: Sequence, token_ids: list[int], finish_reason: str | None, next_state: Callable[[], bool]
+    ) -> None:
         """Stream a round's tokens, then finish the sequence or move it on."""
         streamed = seq.streamed
         finish_reason = seq.stream(token_ids, finish_reason)
@@ -488,8 +513,15 @@ class AsyncEngine:
 
     # -- lanes and failure isolation ---------------------------------------------------------
 
-    async def _on_lane(self, lane: Lane, fn: Callable[[list], list], batch: list[Sequence],
-                       arg: Callable[[Sequence], Any], *, snapshot: bool = True) -> list[tuple[Sequence, Any]]:
+    async def _on_lane(
+        self,
+        lane: Lane,
+        fn: Callable[[list], list],
+        batch: list[Sequence],
+        arg: Callable[[Sequence], Any],
+        *,
+        snapshot: bool = True,
+    ) -> list[tuple[Sequence, Any]]:
         """Run one batched round on `lane`; if it raises, retry each sequence alone and fail only
         those that still raise (a batch's error does not say which sequence caused it)."""
         snapshots = [RoundSnapshot.capture(s.session) for s in batch] if snapshot and len(batch) > 1 else None
@@ -501,8 +533,12 @@ class AsyncEngine:
             if len(batch) == 1:
                 self._fail(batch[0], error)
                 return []
-            log.warning("a batched %s of %d sequences raised %r; retrying them one by one",
-                        getattr(fn, "__name__", "round"), len(batch), error)
+            log.warning(
+                "a batched %s of %d sequences raised %r; retrying them one by one",
+                getattr(fn, "__name__", "round"),
+                len(batch),
+                error,
+            )
         done = []
         for i, seq in enumerate(batch):
             if snapshots is not None:
@@ -569,7 +605,8 @@ class AsyncEngine:
     def _has_work(self) -> bool:
         running = len(self._seqs) - len(self._waiting)
         return (bool(self._waiting) and running < self.config.max_num_seqs) or any(
-            s.state is S.DRAFT or s.state is S.VERIFY for s in self._seqs.values())
+            s.state is S.DRAFT or s.state is S.VERIFY for s in self._seqs.values()
+        )
 
     def _wake(self) -> None:
         if self._wakeup is not None:
@@ -578,8 +615,9 @@ class AsyncEngine:
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json, so a text prompt cannot be encoded; "
-                                 "pass a list of token ids")
+                raise ValueError(
+                    "this model has no tokenizer.json, so a text prompt cannot be encoded; pass a list of token ids"
+                )
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
@@ -598,18 +636,24 @@ class AsyncEngine:
             budget = cfg.max_num_seqs * block
             return VerifyScheduler(token_budget=budget, token_cap=budget, barrier_after=cfg.barrier_after)
         if cfg.verify_token_cap < block:
-            raise ValueError(f"verify_token_cap={cfg.verify_token_cap} is smaller than one verify block of {block} "
-                             f"tokens, which could then never be admitted; it must be >= {block}")
+            raise ValueError(
+                f"verify_token_cap={cfg.verify_token_cap} is smaller than one verify block of {block} "
+                f"tokens, which could then never be admitted; it must be >= {block}"
+            )
         largest = largest_block_union_bytes(self.speculator, block)
         if cfg.verify_byte_cap < largest:
             raise ValueError(
                 f"verify_byte_cap={cfg.verify_byte_cap} is smaller than the largest expert union one verify "
                 f"block of {block} tokens can route ({largest} bytes), which could then never be admitted; "
-                f"it must be >= {largest}")
+                f"it must be >= {largest}"
+            )
         return VerifyScheduler(
-            token_budget=cfg.verify_token_budget, token_cap=cfg.verify_token_cap,
-            byte_budget=cfg.verify_byte_budget, byte_cap=cfg.verify_byte_cap,
-            barrier_after=cfg.barrier_after, charge_mode=cfg.charge_mode,
+            token_budget=cfg.verify_token_budget,
+            token_cap=cfg.verify_token_cap,
+            byte_budget=cfg.verify_byte_budget,
+            byte_cap=cfg.verify_byte_cap,
+            barrier_after=cfg.barrier_after,
+            charge_mode=cfg.charge_mode,
         )
 
 
@@ -632,8 +676,10 @@ def _sampling_params(value: SamplingParams | Mapping[str, Any] | None) -> Sampli
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(attrs.fields_dict(SamplingParams)))
         if unknown:
-            raise ValueError(f"sampling_params has unknown fields {unknown}; "
-                             f"valid: {sorted(attrs.fields_dict(SamplingParams))}")
+            raise ValueError(
+                f"sampling_params has unknown fields {unknown}; valid: {sorted(attrs.fields_dict(SamplingParams))}"
+            )
         return SamplingParams(**value)
-    raise TypeError(f"sampling_params must be a SamplingParams, a mapping of its fields or None, "
-                    f"got {type(value).__name__}")
+    raise TypeError(
+        f"sampling_params must be a SamplingParams, a mapping of its fields or None, got {type(value).__name__}"
+    )

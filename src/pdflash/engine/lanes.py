@@ -31,8 +31,12 @@ T = TypeVar("T")
 
 def off_thread(fn: Callable[[], T]) -> T:
     """`fn()` on a short-lived thread (its OpenMP team ends with it); its result or exception."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdflash-load", initializer=torch.set_num_threads,
-                            initargs=(torch.get_num_threads(),)) as pool:
+    with ThreadPoolExecutor(
+        max_workers=1,
+        thread_name_prefix="pdflash-load",
+        initializer=torch.set_num_threads,
+        initargs=(torch.get_num_threads(),),
+    ) as pool:
         return pool.submit(fn).result()
 
 
@@ -41,8 +45,12 @@ class Lane:
 
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdflash-{name}",
-                                            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=f"pdflash-{name}",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.busy_seconds = 0.0  # wall time spent inside calls
         self.calls = 0

@@ -43,9 +43,7 @@ class RequestOutput:
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later`, as one delta."""
-        return attrs.evolve(
-            later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text
-        )
+        return attrs.evolve(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text)
 
 
 class TextStream:
@@ -59,8 +57,10 @@ class TextStream:
 
     def __init__(self, tokenizer: TextTokenizer | None, stop: tuple[str, ...]) -> None:
         if stop and tokenizer is None:
-            raise ValueError(f"stop strings {list(stop)!r} need the model's tokenizer.json, which it lacks; "
-                             "use stop_token_ids instead")
+            raise ValueError(
+                f"stop strings {list(stop)!r} need the model's tokenizer.json, which it lacks; "
+                "use stop_token_ids instead"
+            )
         self._tokenizer = tokenizer
         self._stop = stop
         self._longest_stop = max(map(len, stop), default=0)

@@ -117,8 +117,7 @@ def _validate_admission_inputs(demands, budget, carried, cap, barrier_after) -> 
         for field in ("tokens", "expert_bytes", "skipped_ticks"):
             if getattr(d, field) < 0:
                 raise ValueError(
-                    f"demand {d.seq_id!r} has {field}={getattr(d, field)}, which is negative; "
-                    "it must be >= 0"
+                    f"demand {d.seq_id!r} has {field}={getattr(d, field)}, which is negative; it must be >= 0"
                 )
     for dim in ("tokens", "expert_bytes"):
         largest = max(demands, key=lambda d: getattr(d, dim), default=None)
@@ -454,9 +453,7 @@ class VerifyScheduler:
         waiting = list(self._queue.values())
         charges = self._charges(seated + waiting, resident, in_flight_union, byte_map)
         demands = self._as_demands(seated + waiting, charges, n_seated=len(seated))
-        result = admit_verify_demands(
-            demands, self.budget, self._carried, self.cap, barrier_after=self.barrier_after
-        )
+        result = admit_verify_demands(demands, self.budget, self._carried, self.cap, barrier_after=self.barrier_after)
         self._ticks += 1
         used = _sum(demands, set(result.seated_ids) | set(result.admitted_ids))
         self._pool = (
@@ -562,7 +559,10 @@ class VerifyScheduler:
                 charges = self._charges(waiting, frozenset(), frozenset(), None)
             demands = self._as_demands(waiting, charges, n_seated=0)
             result = admit_verify_demands(
-                demands, Deficit2D(*self._pool), Deficit2D(0, 0), self.cap,
+                demands,
+                Deficit2D(*self._pool),
+                Deficit2D(0, 0),
+                self.cap,
                 barrier_after=self.barrier_after,
             )
             used = _sum(demands, set(result.admitted_ids))

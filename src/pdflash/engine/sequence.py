@@ -23,9 +23,9 @@ import torch
 from transitions import Machine
 
 from pdflash.engine.outputs import OutputMailbox, RequestMetrics, RequestOutput, TextStream
-from pdflash.spec.projection import ExpertKey
-from pdflash.sampling import SamplingParams
 from pdflash.engine.scheduler import Ticket
+from pdflash.sampling import SamplingParams
+from pdflash.spec.projection import ExpertKey
 from pdflash.spec.speculator import SpecSession
 
 
@@ -124,10 +124,16 @@ class Sequence:
 
     def _put(self, token_ids: tuple[int, ...], finish_reason: str | None) -> None:
         final = finish_reason is not None
-        self.mailbox.put(RequestOutput(
-            request_id=self.request_id, token_ids=token_ids, text=self.text.take(final), finished=final,
-            finish_reason=finish_reason, metrics=self.metrics(final),
-        ))
+        self.mailbox.put(
+            RequestOutput(
+                request_id=self.request_id,
+                token_ids=token_ids,
+                text=self.text.take(final),
+                finished=final,
+                finish_reason=finish_reason,
+                metrics=self.metrics(final),
+            )
+        )
 
     def metrics(self, final: bool = False) -> RequestMetrics:
         return RequestMetrics(
@@ -142,8 +148,16 @@ class Sequence:
         )
 
 
-_SESSION_FIELDS = ("anchor", "start", "context", "pending", "last_union", "finish_reason",
-                   "projection_seconds", "verify_seconds")
+_SESSION_FIELDS = (
+    "anchor",
+    "start",
+    "context",
+    "pending",
+    "last_union",
+    "finish_reason",
+    "projection_seconds",
+    "verify_seconds",
+)
 
 
 @attrs.frozen(kw_only=True)

@@ -22,12 +22,12 @@ from collections.abc import Iterable, Iterator
 import attrs
 import torch
 
-from pdflash.target.config import ModelConfig
-from pdflash.target.experts import ExpertWave
 from pdflash.offload.eviction import make_policy
 from pdflash.offload.host_store import ExpertKey, HostExpert, HostExpertStore
 from pdflash.offload.link import Link
 from pdflash.offload.prefetch import PrefetchLane, Priority
+from pdflash.target.config import ModelConfig
+from pdflash.target.experts import ExpertWave
 
 MIN_SLOTS = 2  # one expert being computed while the next one lands
 
@@ -213,17 +213,28 @@ class OffloadedExperts:
         with self._cond:
             c = self._counters
             return OffloadStats(
-                link=self.link.label, policy=self.policy.name, expert_cache_bytes=self.budget_bytes,
-                expert_cache_slots=self.num_slots, expert_slot_bytes=self.slot_bytes,
+                link=self.link.label,
+                policy=self.policy.name,
+                expert_cache_bytes=self.budget_bytes,
+                expert_cache_slots=self.num_slots,
+                expert_slot_bytes=self.slot_bytes,
                 expert_cache_peak_bytes=c.peak_slots * self.slot_bytes,
-                expert_bytes_fetched=c.expert_bytes_fetched, fetches=c.fetches, hits=c.hits, misses=c.misses,
-                hit_bytes=c.hit_bytes, miss_bytes=c.miss_bytes,
+                expert_bytes_fetched=c.expert_bytes_fetched,
+                fetches=c.fetches,
+                hits=c.hits,
+                misses=c.misses,
+                hit_bytes=c.hit_bytes,
+                miss_bytes=c.miss_bytes,
                 expert_cache_hit_rate=_ratio(c.hit_bytes, c.hit_bytes + c.miss_bytes),
-                evictions=c.evictions, exposed_fetch_seconds=c.exposed_fetch_seconds,
-                prefetch_requests=c.prefetch_requests, prefetch_fetches=c.prefetch_fetches,
-                prefetch_bytes=c.prefetch_bytes, prefetch_dropped=c.prefetch_dropped,
+                evictions=c.evictions,
+                exposed_fetch_seconds=c.exposed_fetch_seconds,
+                prefetch_requests=c.prefetch_requests,
+                prefetch_fetches=c.prefetch_fetches,
+                prefetch_bytes=c.prefetch_bytes,
+                prefetch_dropped=c.prefetch_dropped,
                 prefetch_coverage=_ratio(c.prefetch_hit_bytes, c.prefetch_hit_bytes + c.miss_bytes),
-                prefetch_waste_bytes=c.prefetch_waste_bytes, fetch_errors=c.fetch_errors,
+                prefetch_waste_bytes=c.prefetch_waste_bytes,
+                fetch_errors=c.fetch_errors,
             )
 
     def stats(self) -> dict:
@@ -244,7 +255,7 @@ class OffloadedExperts:
             for entry in [e for e in self._table.values() if e.state is EntryState.LOADING]:
                 self._fail(entry, RuntimeError("the offloaded expert provider was closed"))
 
-    def __enter__(self) -> "OffloadedExperts":
+    def __enter__(self) -> OffloadedExperts:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -304,7 +315,7 @@ class OffloadedExperts:
         if reserved:  # one lane job per wave of misses: each lands (and is usable) on its own
             self.lane.submit(Priority.ON_DEMAND, lambda: self._load_all(reserved))
         held += reserved
-        pending[:] = missing[len(reserved):]
+        pending[:] = missing[len(reserved) :]
 
     def _unpin(self, entries: list[_Entry]) -> None:
         for entry in entries:
@@ -325,7 +336,8 @@ class OffloadedExperts:
         """A free slot, else one freed by evicting the policy's choice among unpinned ready experts."""
         if not self._free:
             candidates = [
-                e for e in self._table.values()
+                e
+                for e in self._table.values()
                 if e.state is EntryState.READY and e.pins == 0 and (allow_claimed or not e.claimed)
             ]
             if not candidates:

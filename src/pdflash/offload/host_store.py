@@ -20,9 +20,9 @@ from pathlib import Path
 import attrs
 import torch
 
+from pdflash.errors import CheckpointError
 from pdflash.target.checkpoint import EXPERT_PROJECTIONS, Checkpoint, expert_shapes, expert_tensor_name
 from pdflash.target.config import ModelConfig
-from pdflash.errors import CheckpointError
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 

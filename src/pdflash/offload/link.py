@@ -14,6 +14,7 @@ import time
 import attrs
 import torch
 
+
 @attrs.define(eq=False)
 class Link:
     """How long fetches take on top of the copies themselves, and what to call the link."""
@@ -24,7 +25,7 @@ class Link:
     free_at: float = 0.0  # perf_counter time the emulated pipe finishes its last fetch
 
     @classmethod
-    def for_device(cls, device: torch.device, *, gbps: float | None, latency_s: float) -> "Link":
+    def for_device(cls, device: torch.device, *, gbps: float | None, latency_s: float) -> Link:
         """An emulated link when `gbps` is given, else the real one of `device`."""
         if latency_s < 0:
             raise ValueError(f"link_latency_s must be >= 0, got {latency_s}")

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
+from pdflash.offload.device_cache import OffloadedExperts
+from pdflash.offload.host_store import HostExpertStore
 from pdflash.target.checkpoint import Checkpoint
 from pdflash.target.config import ModelConfig
 from pdflash.target.loader import LoadedTarget, load_target, resolve_dtype
-from pdflash.offload.device_cache import OffloadedExperts
-from pdflash.offload.host_store import HostExpertStore
 
 
 def load_offloaded_target(

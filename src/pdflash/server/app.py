@@ -40,8 +40,13 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
     """An ASGI app serving `engine` (an AsyncEngine not yet entered; the app's lifespan runs it once)."""
     settings = settings or ServerSettings()
     metrics = ServerMetrics(engine)
-    state = ServerState(engine=engine, settings=settings, metrics=metrics, started=protocol.now(),
-                        board=StatsBoard(engine, metrics, settings.model_name, settings.stats_interval_s))
+    state = ServerState(
+        engine=engine,
+        settings=settings,
+        metrics=metrics,
+        started=protocol.now(),
+        board=StatsBoard(engine, metrics, settings.model_name, settings.stats_interval_s),
+    )
     completions = CompletionRoutes(state)
 
     @contextlib.asynccontextmanager
@@ -54,8 +59,12 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
 
     async def health(request: Request) -> Response:
         s = engine.stats()
-        body = {"status": "ok" if engine.running else "error", "model": settings.model_name,
-                "live_sequences": s.live_sequences, "waiting": s.waiting}
+        body = {
+            "status": "ok" if engine.running else "error",
+            "model": settings.model_name,
+            "live_sequences": s.live_sequences,
+            "waiting": s.waiting,
+        }
         if engine.error is not None:
             body["error"] = repr(engine.error)
         return JSONResponse(body, status_code=200 if engine.running else 503)
@@ -85,7 +94,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
         Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
     ]
     app = Starlette(
-        routes=routes, lifespan=lifespan,
+        routes=routes,
+        lifespan=lifespan,
         middleware=[Middleware(RequestMetricsMiddleware, metrics=metrics)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )

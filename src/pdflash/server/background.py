@@ -17,8 +17,15 @@ import uvicorn
 class BackgroundServer:
     """`with BackgroundServer(app) as server: requests to server.url ...` (stops on exit)."""
 
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 startup_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        startup_timeout_s: float = 60.0,
+    ) -> None:
         self.app, self.host, self.port = app, host, port
         self.startup_timeout_s = startup_timeout_s
         # uvicorn installs no signal handlers off the main thread; shutdown waits at most 5 s for open streams
@@ -39,8 +46,9 @@ class BackgroundServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                        name=f"uvicorn:{self.port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, name=f"uvicorn:{self.port}", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + self.startup_timeout_s
         while not self.server.started:

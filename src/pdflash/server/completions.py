@@ -49,12 +49,19 @@ class CompletionRoutes:
             stream = state.engine.generate(prompt, req.params, request_id=request_id)
         except Exception as error:
             wire = {"max_tokens": "max_completion_tokens"} if chat and body.get("max_completion_tokens") else {}
-            raise from_engine_error(error, param_of={**{f: f for f in protocol.SAMPLING_TYPES}, **wire,
-                                                     "prompt": "messages" if chat else "prompt"}) from None
+            raise from_engine_error(
+                error,
+                param_of={
+                    **{f: f for f in protocol.SAMPLING_TYPES},
+                    **wire,
+                    "prompt": "messages" if chat else "prompt",
+                },
+            ) from None
         reply = _Reply(state, request_id, protocol.now(), chat=chat)
         if req.stream:
-            return EventStreamResponse(reply.events(stream, include_usage=req.include_usage),
-                                       on_close=lambda: state.release(request_id))
+            return EventStreamResponse(
+                reply.events(stream, include_usage=req.include_usage), on_close=lambda: state.release(request_id)
+            )
         body = await unless_disconnected(request.receive, lambda: reply.whole(stream))
         if body is None:
             return Response(status_code=CLIENT_CLOSED)  # the engine request was aborted when `whole` was cancelled
@@ -65,8 +72,10 @@ def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> str:
     """The model's chat template applied to `messages`, ending with the assistant's turn."""
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
-        raise invalid("this model has no tokenizer.json, so chat messages cannot be encoded; "
-                      "use /v1/completions with token ids", param="messages")
+        raise invalid(
+            "this model has no tokenizer.json, so chat messages cannot be encoded; use /v1/completions with token ids",
+            param="messages",
+        )
     try:
         return tokenizer.apply_chat_template(messages)
     except (ValueError, jinja2.TemplateError) as exc:
@@ -95,9 +104,15 @@ class _Reply:
             await self.state.release(self.request_id)
         m = out.metrics
         return protocol.completion_body(
-            self.request_id, self.model, self.created, chat=self.chat, text="".join(text),
-            reason=out.finish_reason, usage_=protocol.usage(m.prompt_tokens, m.generated_tokens),
-            metrics=self.tracker.summary(out))
+            self.request_id,
+            self.model,
+            self.created,
+            chat=self.chat,
+            text="".join(text),
+            reason=out.finish_reason,
+            usage_=protocol.usage(m.prompt_tokens, m.generated_tokens),
+            metrics=self.tracker.summary(out),
+        )
 
     async def events(self, stream: AsyncIterator[RequestOutput], *, include_usage: bool) -> AsyncGenerator[str, None]:
         chunk = self._chunk
@@ -118,8 +133,9 @@ class _Reply:
                 return
         if include_usage:
             usage = protocol.usage(out.metrics.prompt_tokens, self.tracker.tokens)
-            yield event(protocol.usage_chunk_body(self.request_id, self.model, self.created, chat=self.chat,
-                                                  usage_=usage))
+            yield event(
+                protocol.usage_chunk_body(self.request_id, self.model, self.created, chat=self.chat, usage_=usage)
+            )
         yield DONE
 
     def _chunk(self, **fields: Any) -> dict[str, Any]:

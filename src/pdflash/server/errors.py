@@ -19,8 +19,16 @@ SERVER_ERROR = "server_error"
 class APIError(Exception):
     """A request the server refuses, with its HTTP status and OpenAI error fields."""
 
-    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

@@ -42,29 +42,45 @@ class ServerMetrics:
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("pdflash_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "pdflash_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
         self.ws_connections = Gauge("pdflash_ws_connections", "open websocket connections", registry=r)
-        self.ws_messages = Counter("pdflash_ws_messages", "websocket client messages by type (invalid: rejected)",
-                                   ["type"], registry=r)
-        self.ws_generations = Counter("pdflash_ws_generations", "websocket generations by outcome",
-                                      ["outcome"], registry=r)
+        self.ws_messages = Counter(
+            "pdflash_ws_messages", "websocket client messages by type (invalid: rejected)", ["type"], registry=r
+        )
+        self.ws_generations = Counter(
+            "pdflash_ws_generations", "websocket generations by outcome", ["outcome"], registry=r
+        )
         self.prompt_tokens = Counter("pdflash_prompt_tokens", "prompt tokens of served requests", registry=r)
         self.generated_tokens = Counter("pdflash_generated_tokens", "tokens streamed to clients", registry=r)
-        self.ttft = Histogram("pdflash_time_to_first_token_seconds", "arrival to first token",
-                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.itl = Histogram("pdflash_inter_token_latency_seconds",
-                             "gap between deltas divided by the tokens in the delta, one sample per token",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.acceptance = Histogram("pdflash_acceptance_length", "tokens emitted per verify round, bonus included",
-                                    buckets=ACCEPTANCE_BUCKETS, registry=r)
-        self.admission_wait = Histogram("pdflash_request_admission_wait_seconds",
-                                        "a request's total verify admission wait", buckets=LATENCY_BUCKETS_S,
-                                        registry=r)
-        self.expert_bytes = Counter("pdflash_expert_bytes_projected",
-                                    "projected expert-union bytes of served verify rounds", registry=r)
-        self.fetch_bytes = Counter("pdflash_fetch_bytes_projected",
-                                   "the part of the projected bytes not resident when projected", registry=r)
+        self.ttft = Histogram(
+            "pdflash_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.itl = Histogram(
+            "pdflash_inter_token_latency_seconds",
+            "gap between deltas divided by the tokens in the delta, one sample per token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.acceptance = Histogram(
+            "pdflash_acceptance_length",
+            "tokens emitted per verify round, bonus included",
+            buckets=ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "pdflash_request_admission_wait_seconds",
+            "a request's total verify admission wait",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.expert_bytes = Counter(
+            "pdflash_expert_bytes_projected", "projected expert-union bytes of served verify rounds", registry=r
+        )
+        self.fetch_bytes = Counter(
+            "pdflash_fetch_bytes_projected", "the part of the projected bytes not resident when projected", registry=r
+        )
         r.register(EngineCollector(engine))
         self.projected_expert_bytes = 0  # plain totals of the two counters above (read by the stats board)
         self.projected_fetch_bytes = 0
@@ -92,13 +108,17 @@ class EngineCollector(Collector):
             outcomes.add_metric([outcome], getattr(s, outcome))
         yield outcomes
         yield CounterMetricFamily("pdflash_verify_rounds", "per-sequence verify rounds", value=s.verify_rounds)
-        yield GaugeMetricFamily("pdflash_mean_acceptance_length", "tokens per verify round since start",
-                                value=s.mean_acceptance_length)
+        yield GaugeMetricFamily(
+            "pdflash_mean_acceptance_length", "tokens per verify round since start", value=s.mean_acceptance_length
+        )
         for q in ("p50", "p99"):
             value = getattr(s, f"admission_wait_{q}_s")
             if value is not None:
-                yield GaugeMetricFamily(f"pdflash_admission_wait_{q}_seconds",
-                                        f"verify admission wait {q} over the scheduler's window", value=value)
+                yield GaugeMetricFamily(
+                    f"pdflash_admission_wait_{q}_seconds",
+                    f"verify admission wait {q} over the scheduler's window",
+                    value=value,
+                )
         yield _batch_histogram(s.verify_batch_sizes)
         yield from _provider_metrics(s.provider)
 
@@ -106,24 +126,33 @@ class EngineCollector(Collector):
 def _batch_histogram(sizes: dict[int, int]) -> HistogramMetricFamily:
     buckets = [(str(le), sum(n for size, n in sizes.items() if size <= le)) for le in BATCH_BUCKETS]
     buckets.append(("+Inf", sum(sizes.values())))
-    return HistogramMetricFamily("pdflash_verify_batch_size", "sequences per batched verify forward",
-                                 buckets=buckets, sum_value=sum(size * n for size, n in sizes.items()))
+    return HistogramMetricFamily(
+        "pdflash_verify_batch_size",
+        "sequences per batched verify forward",
+        buckets=buckets,
+        sum_value=sum(size * n for size, n in sizes.items()),
+    )
 
 
 def _provider_metrics(p: dict | None):
     if not p:
         return
-    yield CounterMetricFamily("pdflash_expert_bytes_fetched", "expert bytes copied host-to-device",
-                              value=p["expert_bytes_fetched"])
-    yield GaugeMetricFamily("pdflash_expert_cache_hit_rate", "routed expert bytes found resident / all needed",
-                            value=p["expert_cache_hit_rate"])
+    yield CounterMetricFamily(
+        "pdflash_expert_bytes_fetched", "expert bytes copied host-to-device", value=p["expert_bytes_fetched"]
+    )
+    yield GaugeMetricFamily(
+        "pdflash_expert_cache_hit_rate",
+        "routed expert bytes found resident / all needed",
+        value=p["expert_cache_hit_rate"],
+    )
     yield GaugeMetricFamily("pdflash_expert_cache_bytes", "device expert cache budget", value=p["expert_cache_bytes"])
-    yield CounterMetricFamily("pdflash_expert_evictions", "experts evicted from the device cache",
-                              value=p["evictions"])
-    yield CounterMetricFamily("pdflash_exposed_fetch_seconds", "time forwards waited for expert fetches",
-                              value=p["exposed_fetch_seconds"])
-    info = GaugeMetricFamily("pdflash_expert_link_info", "host-to-device link kind (emulated: simulated bandwidth)",
-                             labels=["link"])
+    yield CounterMetricFamily("pdflash_expert_evictions", "experts evicted from the device cache", value=p["evictions"])
+    yield CounterMetricFamily(
+        "pdflash_exposed_fetch_seconds", "time forwards waited for expert fetches", value=p["exposed_fetch_seconds"]
+    )
+    info = GaugeMetricFamily(
+        "pdflash_expert_link_info", "host-to-device link kind (emulated: simulated bandwidth)", labels=["link"]
+    )
     info.add_metric([p["link"]], 1)
     yield info
 
@@ -164,11 +193,14 @@ class RequestTracker:
             self.last_at = now
             self.tokens += n
             self.metrics.generated_tokens.inc(n)
-        rounds = m.acceptance_lengths[self.rounds:]
+        rounds = m.acceptance_lengths[self.rounds :]
         for length in rounds:
             self.metrics.acceptance.observe(length)
-        delta = Delta(acceptance_lengths=tuple(rounds), expert_bytes=m.expert_bytes - self.expert_bytes,
-                      fetch_bytes=m.fetch_bytes - self.fetch_bytes)
+        delta = Delta(
+            acceptance_lengths=tuple(rounds),
+            expert_bytes=m.expert_bytes - self.expert_bytes,
+            fetch_bytes=m.fetch_bytes - self.fetch_bytes,
+        )
         self.metrics.expert_bytes.inc(delta.expert_bytes)
         self.metrics.fetch_bytes.inc(delta.fetch_bytes)
         self.metrics.projected_expert_bytes += delta.expert_bytes

@@ -35,6 +35,7 @@ async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]
     result: list[T] = []
     errors: list[Exception] = []
     async with anyio.create_task_group() as tg:
+
         async def watch() -> None:
             await wait_for_disconnect(receive)
             tg.cancel_scope.cancel()
@@ -64,8 +65,11 @@ class EventStreamResponse:
         self.status_code = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
         try:
             async with aclosing(self.events) as events:
                 await send({"type": "http.response.start", "status": 200, "headers": headers})

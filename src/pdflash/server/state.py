@@ -18,6 +18,7 @@ def _at_least(minimum: float):
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
             raise ValueError(f"{attribute.name}={value!r} is invalid: it must be a number >= {minimum}")
+
     return check
 
 

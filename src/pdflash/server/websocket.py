@@ -10,6 +10,7 @@ gets an `error` message and the socket stays open; a generation ends with exactl
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -76,44 +77,68 @@ class WebSocketSession:
                 elif kind == "cancel":
                     self._cancel(msg)
                 else:
-                    raise invalid(f"unknown message type {json.dumps(kind)}; the client sends \"start\" or \"cancel\"",
-                                  param="type", code="unknown_type")
+                    raise invalid(
+                        f'unknown message type {json.dumps(kind)}; the client sends "start" or "cancel"',
+                        param="type",
+                        code="unknown_type",
+                    )
                 self.state.metrics.ws_messages.labels(type=kind).inc()
             except APIError as error:
                 self.state.metrics.ws_messages.labels(type="invalid").inc()
                 await self._post(_error(error, msg_id))
             except Exception as error:  # a bug: report it, keep the socket and the server
                 log.exception("websocket message handling failed")
-                await self._post({"type": "error", "id": msg_id, "code": "internal_error", "param": None,
-                                  "message": f"internal error: {error!r}"})
+                await self._post(
+                    {
+                        "type": "error",
+                        "id": msg_id,
+                        "code": "internal_error",
+                        "param": None,
+                        "message": f"internal error: {error!r}",
+                    }
+                )
 
     def _start(self, msg: dict[str, Any]) -> None:
         unknown = sorted(set(msg) - START_FIELDS)
         if unknown:
-            raise invalid(f"unknown field {unknown[0]!r} in a start message (fields: {sorted(START_FIELDS)})",
-                          param=unknown[0], code="invalid_message")
+            raise invalid(
+                f"unknown field {unknown[0]!r} in a start message (fields: {sorted(START_FIELDS)})",
+                param=unknown[0],
+                code="invalid_message",
+            )
         gen_id, key = _client_id(msg)
         if key in self.running:
-            raise invalid(f"a generation with id {json.dumps(gen_id)} is already running on this socket; "
-                          "ids must be unique among running generations", param="id", code="duplicate_id")
+            raise invalid(
+                f"a generation with id {json.dumps(gen_id)} is already running on this socket; "
+                "ids must be unique among running generations",
+                param="id",
+                code="duplicate_id",
+            )
         if len(self.running) >= self.state.settings.max_ws_generations:
-            raise invalid(f"{len(self.running)} generations are already running on this socket "
-                          f"(max {self.state.settings.max_ws_generations}); wait for one to finish",
-                          code="too_many_generations")
+            raise invalid(
+                f"{len(self.running)} generations are already running on this socket "
+                f"(max {self.state.settings.max_ws_generations}); wait for one to finish",
+                code="too_many_generations",
+            )
         prompt = self._prompt(msg)
         params = msg.get("params") or {}
         if not isinstance(params, dict):
-            raise invalid(f"params must be an object, got {json.dumps(params)[:200]}", param="params",
-                          code="invalid_params")
+            raise invalid(
+                f"params must be an object, got {json.dumps(params)[:200]}", param="params", code="invalid_params"
+            )
         unknown = sorted(set(params) - set(protocol.SAMPLING_TYPES))
         if unknown:
-            raise invalid(f"unknown sampling parameter {unknown[0]!r}; valid: {sorted(protocol.SAMPLING_TYPES)}",
-                          param=f"params.{unknown[0]}", code="invalid_params")
+            raise invalid(
+                f"unknown sampling parameter {unknown[0]!r}; valid: {sorted(protocol.SAMPLING_TYPES)}",
+                param=f"params.{unknown[0]}",
+                code="invalid_params",
+            )
         try:
             sampling = protocol.sampling_params(params, default_max_tokens=self.state.settings.default_max_tokens)
         except APIError as error:
-            raise invalid(error.message, param=f"params.{error.param}" if error.param else "params",
-                          code="invalid_params") from None
+            raise invalid(
+                error.message, param=f"params.{error.param}" if error.param else "params", code="invalid_params"
+            ) from None
         request_id = f"{self.name}-{next(self.requests)}"
         try:
             stream = self.state.engine.generate(prompt, sampling, request_id=request_id)
@@ -126,8 +151,11 @@ class WebSocketSession:
 
     def _prompt(self, msg: dict[str, Any]) -> str | list[int]:
         if ("prompt" in msg) == ("messages" in msg):
-            raise invalid("a start message needs exactly one of \"prompt\" (text or token ids) or \"messages\"",
-                          param="prompt", code="invalid_message")
+            raise invalid(
+                'a start message needs exactly one of "prompt" (text or token ids) or "messages"',
+                param="prompt",
+                code="invalid_message",
+            )
         if "messages" in msg:
             return chat_prompt(self.state, protocol.parse_messages(msg["messages"]))
         return protocol.parse_prompt(msg["prompt"])
@@ -136,8 +164,9 @@ class WebSocketSession:
         gen_id, key = _client_id(msg)
         scope = self.running.get(key)
         if scope is None:
-            raise invalid(f"no generation with id {json.dumps(gen_id)} is running on this socket",
-                          param="id", code="unknown_id")
+            raise invalid(
+                f"no generation with id {json.dumps(gen_id)} is running on this socket", param="id", code="unknown_id"
+            )
         scope.cancel()  # the generation sends its `done` (finish_reason "abort")
 
     # -- generations ----------------------------------------------------------------------
@@ -150,13 +179,21 @@ class WebSocketSession:
                     async for out in stream:
                         delta = tracker.update(out)
                         if out.token_ids or out.text:
-                            await self._post({
-                                "type": "delta", "id": gen_id, "text": out.text, "token_ids": list(out.token_ids),
-                                "acceptance_length": delta.acceptance_lengths[-1] if delta.acceptance_lengths else None,
-                                "acceptance_lengths": list(delta.acceptance_lengths),
-                                "expert_bytes": delta.expert_bytes, "fetch_bytes": delta.fetch_bytes,
-                                "generated_tokens": tracker.tokens,
-                            })
+                            await self._post(
+                                {
+                                    "type": "delta",
+                                    "id": gen_id,
+                                    "text": out.text,
+                                    "token_ids": list(out.token_ids),
+                                    "acceptance_length": delta.acceptance_lengths[-1]
+                                    if delta.acceptance_lengths
+                                    else None,
+                                    "acceptance_lengths": list(delta.acceptance_lengths),
+                                    "expert_bytes": delta.expert_bytes,
+                                    "fetch_bytes": delta.fetch_bytes,
+                                    "generated_tokens": tracker.tokens,
+                                }
+                            )
         except Exception as error:  # this request failed in the engine
             failure = error
         finally:
@@ -164,8 +201,15 @@ class WebSocketSession:
             await self.state.release(request_id)
         if failure is not None:
             self.state.metrics.ws_generations.labels(outcome="error").inc()
-            await self._post({"type": "error", "id": gen_id, "code": "generation_failed", "param": None,
-                              "message": f"generation failed: {failure}"})
+            await self._post(
+                {
+                    "type": "error",
+                    "id": gen_id,
+                    "code": "generation_failed",
+                    "param": None,
+                    "message": f"generation failed: {failure}",
+                }
+            )
             return
         reason = out.finish_reason if out is not None and out.finished else "abort"
         self.state.metrics.ws_generations.labels(outcome=reason).inc()
@@ -186,10 +230,8 @@ class WebSocketSession:
 
     async def _send_stats(self) -> None:
         while True:
-            try:
+            with contextlib.suppress(anyio.WouldBlock):  # the client is behind: the next one is newer anyway
                 self.outbox.send_nowait(self.state.board.current())
-            except anyio.WouldBlock:
-                pass  # the client is behind: skip this one, the next is newer anyway
             await anyio.sleep(self.state.settings.stats_interval_s)
 
 
@@ -202,8 +244,9 @@ def _decode(message: dict[str, Any]) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise invalid(f"the message is not valid JSON ({exc})", code="invalid_json") from None
     if not isinstance(msg, dict):
-        raise invalid(f"a message must be a JSON object with a \"type\", got {type(msg).__name__}",
-                      code="invalid_message")
+        raise invalid(
+            f'a message must be a JSON object with a "type", got {type(msg).__name__}', code="invalid_message"
+        )
     return msg
 
 
@@ -211,8 +254,9 @@ def _client_id(msg: dict[str, Any]) -> tuple[Any, str]:
     gen_id = msg.get("id")
     valid = (isinstance(gen_id, str) and gen_id) or (isinstance(gen_id, int) and not isinstance(gen_id, bool))
     if not valid:
-        raise invalid(f"id must be a non-empty string or an integer, got {json.dumps(gen_id)}", param="id",
-                      code="invalid_message")
+        raise invalid(
+            f"id must be a non-empty string or an integer, got {json.dumps(gen_id)}", param="id", code="invalid_message"
+        )
     return gen_id, json.dumps(gen_id)
 
 

@@ -15,10 +15,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from pdflash.errors import CheckpointError
 from pdflash.target.attention import attend
 from pdflash.target.checkpoint import Checkpoint
 from pdflash.target.config import ModelConfig, RopeConfig, read_config_json, rope_config
-from pdflash.errors import CheckpointError
 from pdflash.target.kv_cache import KVCache
 from pdflash.target.model import rms_norm, swiglu
 from pdflash.target.rope import Rotary, apply_rotary
@@ -55,7 +55,7 @@ class DrafterConfig:
     logit_softcap: float | None = None
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str) -> "DrafterConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str) -> DrafterConfig:
         dflash = raw.get("dflash_config") or {}
 
         def field(name: str, default: Any = None) -> Any:
@@ -101,7 +101,9 @@ class DrafterConfig:
         if self.vocab_size != target.vocab_size:
             problems.append(f"vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
         if not 0 <= self.mask_token_id < target.vocab_size:
-            problems.append(f"mask_token_id {self.mask_token_id} is not below the target vocab_size {target.vocab_size}")
+            problems.append(
+                f"mask_token_id {self.mask_token_id} is not below the target vocab_size {target.vocab_size}"
+            )
         if self.block_size < 2:
             problems.append(f"block_size {self.block_size} must be >= 2")
         bad_taps = [t for t in self.tap_layers if not 0 <= t < target.num_layers]
@@ -164,7 +166,10 @@ class DFlashDrafter:
         x = F.embedding(torch.cat(list(blocks)), self.embed) * cfg.input_embedding_scale  # [Bt, H]
         positions = torch.cat(
             [torch.arange(cache.length, cache.length + c) for cache, c in zip(caches, ctx_lens)]
-            + [torch.arange(cache.length + c, cache.length + c + b) for cache, c, b in zip(caches, ctx_lens, block_lens)]
+            + [
+                torch.arange(cache.length + c, cache.length + c + b)
+                for cache, c, b in zip(caches, ctx_lens, block_lens)
+            ]
         ).to(x.device)  # [C + Bt]: every session's context, then every session's block
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for index, layer in enumerate(self.layers):
@@ -194,7 +199,9 @@ class DFlashDrafter:
         for cache, c, b in zip(caches, ctx_lens, block_lens):
             ctx_rows, block_rows = slice(c0, c0 + c), slice(C + b0, C + b0 + b)
             keys, values = cache.write(
-                index, torch.cat([k[:, ctx_rows], k[:, block_rows]], dim=1), torch.cat([v[:, ctx_rows], v[:, block_rows]], dim=1)
+                index,
+                torch.cat([k[:, ctx_rows], k[:, block_rows]], dim=1),
+                torch.cat([v[:, ctx_rows], v[:, block_rows]], dim=1),
             )  # [kv, past+c+b, D]
             mask = _causal_mask(b, keys.shape[1], window, h.device) if causal else None
             outputs.append(attend(q[:, b0 : b0 + b], keys, values, mask))  # [heads, b, D]
@@ -240,21 +247,25 @@ def load_drafter(directory: Path | str, target, *, progress: bool = False) -> DF
             biases = (q_bias, torch.cat([k_bias, v_bias]), o_bias)
         else:
             biases = (None, None, None)
-        layers.append(DraftLayer(
-            input_norm=load(p + "input_layernorm.weight", H),
-            post_attention_norm=load(p + "post_attention_layernorm.weight", H),
-            q_proj=load(p + "self_attn.q_proj.weight", qd, H),
-            kv_proj=torch.cat([load(p + "self_attn.k_proj.weight", kvd, H), load(p + "self_attn.v_proj.weight", kvd, H)]),
-            o_proj=load(p + "self_attn.o_proj.weight", H, qd),
-            q_norm=load(p + "self_attn.q_norm.weight", D),
-            k_norm=load(p + "self_attn.k_norm.weight", D),
-            mlp=(
-                load(p + "mlp.gate_proj.weight", cfg.intermediate_size, H),
-                load(p + "mlp.up_proj.weight", cfg.intermediate_size, H),
-                load(p + "mlp.down_proj.weight", H, cfg.intermediate_size),
-            ),
-            biases=biases,
-        ))
+        layers.append(
+            DraftLayer(
+                input_norm=load(p + "input_layernorm.weight", H),
+                post_attention_norm=load(p + "post_attention_layernorm.weight", H),
+                q_proj=load(p + "self_attn.q_proj.weight", qd, H),
+                kv_proj=torch.cat(
+                    [load(p + "self_attn.k_proj.weight", kvd, H), load(p + "self_attn.v_proj.weight", kvd, H)]
+                ),
+                o_proj=load(p + "self_attn.o_proj.weight", H, qd),
+                q_norm=load(p + "self_attn.q_norm.weight", D),
+                k_norm=load(p + "self_attn.k_norm.weight", D),
+                mlp=(
+                    load(p + "mlp.gate_proj.weight", cfg.intermediate_size, H),
+                    load(p + "mlp.up_proj.weight", cfg.intermediate_size, H),
+                    load(p + "mlp.down_proj.weight", H, cfg.intermediate_size),
+                ),
+                biases=biases,
+            )
+        )
     return DFlashDrafter(
         cfg,
         layers,

@@ -39,7 +39,7 @@ class ProjectionQuality:
     waste_bytes: int  # bytes(projected − actual): fetched for nothing
 
     @classmethod
-    def compare(cls, projected, actual, expert_nbytes) -> "ProjectionQuality":
+    def compare(cls, projected, actual, expert_nbytes) -> ProjectionQuality:
         hit = projected & actual
         actual_bytes = union_bytes(actual, expert_nbytes)
         return cls(
@@ -52,8 +52,7 @@ class ProjectionQuality:
 class Projector(Protocol):
     name: str
 
-    def project(self, speculator, sessions, blocks: Sequence[torch.Tensor]) -> list[frozenset[ExpertKey]]:
-        ...
+    def project(self, speculator, sessions, blocks: Sequence[torch.Tensor]) -> list[frozenset[ExpertKey]]: ...
 
 
 class LastUnionProjector:

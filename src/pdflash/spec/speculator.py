@@ -14,12 +14,12 @@ from collections.abc import Callable, Collection, Sequence
 import attrs
 import torch
 
+from pdflash.sampling import SamplingParams, sample
 from pdflash.spec.drafter import DFlashDrafter
+from pdflash.spec.projection import ExpertKey, ProjectionQuality, make_projector, routed_union, union_bytes
+from pdflash.stopping import StopRule
 from pdflash.target.kv_cache import KVCache
 from pdflash.target.model import Qwen3MoeModel
-from pdflash.spec.projection import ExpertKey, ProjectionQuality, make_projector, routed_union, union_bytes
-from pdflash.sampling import SamplingParams, sample
-from pdflash.stopping import StopRule
 
 
 class RoundOrderError(RuntimeError):
@@ -88,7 +88,7 @@ class SpecSession:
 
     def stats(self) -> dict:
         rounds = len(self.trace)
-        mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
         return {
             "rounds": rounds,
             "mean_acceptance_length": mean(self.acceptance_lengths),
@@ -151,12 +151,22 @@ class Speculator:
             first = int(sample(out.logits[i : i + 1], params, generator)[0])
             kept, finish = rule.clip(0, [first])
             recent = out.split(out.routed)[i][-self.block_size :]
-            sessions.append(SpecSession(
-                prompt_ids=list(prompt), params=params, rule=rule, generator=generator,
-                target_cache=caches[i], draft_cache=self.drafter.new_cache() if self.drafter else None,
-                context=taps[i], anchor=first, start=len(prompt), emitted=kept, finish_reason=finish,
-                last_union=routed_union(recent, cfg.moe_layer_ids),
-            ))
+            sessions.append(
+                SpecSession(
+                    prompt_ids=list(prompt),
+                    params=params,
+                    rule=rule,
+                    generator=generator,
+                    target_cache=caches[i],
+                    draft_cache=self.drafter.new_cache() if self.drafter else None,
+                    context=taps[i],
+                    anchor=first,
+                    start=len(prompt),
+                    emitted=kept,
+                    finish_reason=finish,
+                    last_union=routed_union(recent, cfg.moe_layer_ids),
+                )
+            )
         return sessions
 
     # -- draft ---------------------------------------------------------------------------
@@ -178,8 +188,11 @@ class Speculator:
         results = []
         for s, block, union in zip(sessions, blocks, unions):
             s.pending = DraftResult(
-                block=tuple(block.tolist()), expert_union=union, expert_bytes=union_bytes(union, self.expert_nbytes),
-                fetch_bytes=union_bytes(union - set(resident), self.expert_nbytes), projection_seconds=share,
+                block=tuple(block.tolist()),
+                expert_union=union,
+                expert_bytes=union_bytes(union, self.expert_nbytes),
+                fetch_bytes=union_bytes(union - set(resident), self.expert_nbytes),
+                projection_seconds=share,
             )
             s.projection_seconds += share
             results.append(s.pending)
@@ -194,7 +207,7 @@ class Speculator:
         logits = self.drafter.draft_logits([s.context for s in sessions], noisy, [s.draft_cache for s in sessions])
         for s in sessions:
             s.context = None
-        return [torch.cat([a, l.argmax(dim=-1).cpu()]) for a, l in zip(anchors, logits)]
+        return [torch.cat([a, lg.argmax(dim=-1).cpu()]) for a, lg in zip(anchors, logits)]
 
     # -- verify --------------------------------------------------------------------------
     def verify_round(self, session: SpecSession) -> VerifyResult:
@@ -213,7 +226,9 @@ class Speculator:
         taps = out.split(out.taps) if self.taps else [None] * len(sessions)
         return [
             self._accept(s, block, logits, routed, tap, share)
-            for s, block, logits, routed, tap in zip(sessions, blocks, out.split(out.logits), out.split(out.routed), taps)
+            for s, block, logits, routed, tap in zip(
+                sessions, blocks, out.split(out.logits), out.split(out.routed), taps
+            )
         ]
 
     def _accept(self, s: SpecSession, block, logits, routed, taps, verify_seconds: float) -> VerifyResult:
@@ -226,17 +241,26 @@ class Speculator:
         s.context = taps[: accepted + 1] if taps is not None else None
         actual = routed_union(routed, self.target.config.moe_layer_ids)
         pending = s.pending
-        s.trace.append(RoundTrace(
-            start=s.start, tokens=len(block), acceptance_length=len(kept), expert_bytes=pending.expert_bytes,
-            fetch_bytes=pending.fetch_bytes, actual_bytes=union_bytes(actual, self.expert_nbytes),
-            quality=ProjectionQuality.compare(pending.expert_union, actual, self.expert_nbytes),
-        ))
+        s.trace.append(
+            RoundTrace(
+                start=s.start,
+                tokens=len(block),
+                acceptance_length=len(kept),
+                expert_bytes=pending.expert_bytes,
+                fetch_bytes=pending.fetch_bytes,
+                actual_bytes=union_bytes(actual, self.expert_nbytes),
+                quality=ProjectionQuality.compare(pending.expert_union, actual, self.expert_nbytes),
+            )
+        )
         s.anchor, s.start = int(posterior[accepted]), s.start + accepted + 1
         s.last_union, s.pending, s.finish_reason = actual, None, finish
         s.verify_seconds += verify_seconds
         return VerifyResult(
-            accepted_ids=tuple(kept), accept_len=accepted, committed=s.start - len(s.prompt_ids),
-            finished=finish is not None, finish_reason=finish,
+            accepted_ids=tuple(kept),
+            accept_len=accepted,
+            committed=s.start - len(s.prompt_ids),
+            finished=finish is not None,
+            finish_reason=finish,
         )
 
     def release(self, session: SpecSession) -> None:
@@ -266,8 +290,11 @@ def speculative_generate(speculator: Speculator, prompt_ids: Sequence[int], para
         finish_reason=session.finish_reason,
         acceptance_lengths=tuple(session.acceptance_lengths),
         stats={
-            "prompt_tokens": len(prompt_ids), "generated_tokens": n, "seconds": done - started,
+            "prompt_tokens": len(prompt_ids),
+            "generated_tokens": n,
+            "seconds": done - started,
             "time_to_first_token_seconds": first_at - started,
             "tokens_per_second": (n - 1) / (done - first_at) if n > 1 and done > first_at else 0.0,
-        } | session.stats(),
+        }
+        | session.stats(),
     )

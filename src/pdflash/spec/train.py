@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import DrafterConfig, default_tap_layers
+from pdflash.spec.speculator import Speculator
 from pdflash.target.loader import LoadedTarget
 from pdflash.target.model import rms_norm, swiglu
 from pdflash.target.rope import Rotary, apply_rotary
-from pdflash.sampling import SamplingParams
-from pdflash.spec.speculator import Speculator
 from pdflash.target.tiny import drafter_config, random_drafter_tensors
 
 DECAY_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # γ of the position weights exp(-(k-1)/γ)
@@ -78,8 +78,14 @@ class TrainResult:
 
 
 def build_training_data(
-    target: LoadedTarget, prompts: Sequence[Sequence[int]], *, response_tokens: int, tap_layers: Sequence[int],
-    generate: bool = True, batch: int = 128, progress: bool = False,
+    target: LoadedTarget,
+    prompts: Sequence[Sequence[int]],
+    *,
+    response_tokens: int,
+    tap_layers: Sequence[int],
+    generate: bool = True,
+    batch: int = 128,
+    progress: bool = False,
 ) -> TrainingData:
     """Prompt + the target's own greedy continuation (or the given text) and its tap states.
 
@@ -127,8 +133,15 @@ def cached_training_data(path: Path | str | None, key: dict, build: Callable[[],
             return TrainingData(token_ids=saved["token_ids"], taps=saved["taps"], prompt_len=int(saved["prompt_len"]))
     data = build()
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"key": json.dumps(key, sort_keys=True), "token_ids": data.token_ids, "taps": data.taps,
-                "prompt_len": data.prompt_len}, tmp)
+    torch.save(
+        {
+            "key": json.dumps(key, sort_keys=True),
+            "token_ids": data.token_ids,
+            "taps": data.taps,
+            "prompt_len": data.prompt_len,
+        },
+        tmp,
+    )
     tmp.replace(path)
     return data
 
@@ -144,7 +157,9 @@ class DrafterTrainer:
         raw_target = json.loads((target.checkpoint.directory / "config.json").read_text())
         self.raw_config = drafter_config(
             raw_target | {"num_hidden_layers": tcfg.num_layers, "vocab_size": tcfg.vocab_size},
-            num_layers=settings.num_layers, block_size=settings.block_size, mask_token_id=mask_id,
+            num_layers=settings.num_layers,
+            block_size=settings.block_size,
+            mask_token_id=mask_id,
         )
         taps = settings.tap_layers or default_tap_layers(tcfg.num_layers, settings.num_layers)
         self.raw_config["dflash_config"]["target_layer_ids"] = list(taps)
@@ -181,18 +196,23 @@ class DrafterTrainer:
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
 
-            def proj(t, name):
+            def proj(t, name, p=p):
                 return t @ w[p + f"self_attn.{name}.weight"].T  # [N, n, heads*D]
 
             q = rms_norm(proj(h, "q_proj").view(N, K * B, -1, D), w[p + "self_attn.q_norm.weight"], eps)
             q = apply_rotary(q.transpose(1, 2), blk_cos, blk_sin)  # [N, heads, KB, D]
             k_ctx = rms_norm(proj(ctx, "k_proj").view(N, L, -1, D), w[p + "self_attn.k_norm.weight"], eps)
             k_blk = rms_norm(proj(h, "k_proj").view(N, K * B, -1, D), w[p + "self_attn.k_norm.weight"], eps)
-            keys = torch.cat([
-                apply_rotary(k_ctx.transpose(1, 2), ctx_cos, ctx_sin), apply_rotary(k_blk.transpose(1, 2), blk_cos, blk_sin)
-            ], dim=2)  # [N, kv, L+KB, D]
-            values = torch.cat([proj(ctx, "v_proj").view(N, L, -1, D), proj(h, "v_proj").view(N, K * B, -1, D)],
-                               dim=1).transpose(1, 2)  # [N, kv, L+KB, D]
+            keys = torch.cat(
+                [
+                    apply_rotary(k_ctx.transpose(1, 2), ctx_cos, ctx_sin),
+                    apply_rotary(k_blk.transpose(1, 2), blk_cos, blk_sin),
+                ],
+                dim=2,
+            )  # [N, kv, L+KB, D]
+            values = torch.cat(
+                [proj(ctx, "v_proj").view(N, L, -1, D), proj(h, "v_proj").view(N, K * B, -1, D)], dim=1
+            ).transpose(1, 2)  # [N, kv, L+KB, D]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [N, heads, KB, D]
             x = x + attn.transpose(1, 2).reshape(N, K * B, -1) @ w[p + "self_attn.o_proj.weight"].T
             mlp = tuple(w[p + f"mlp.{m}_proj.weight"] for m in ("gate", "up", "down"))
@@ -253,10 +273,13 @@ class DrafterTrainer:
         """Write config.json + model.safetensors in the published DFlash layout."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({n: p.detach().to(dtype).contiguous() for n, p in self.weights.items()},
-                  str(directory / "model.safetensors"))
-        (directory / "config.json").write_text(json.dumps(self.raw_config | {"torch_dtype": str(dtype).split(".")[-1]},
-                                                          indent=2))
+        save_file(
+            {n: p.detach().to(dtype).contiguous() for n, p in self.weights.items()},
+            str(directory / "model.safetensors"),
+        )
+        (directory / "config.json").write_text(
+            json.dumps(self.raw_config | {"torch_dtype": str(dtype).split(".")[-1]}, indent=2)
+        )
         return directory
 
 

@@ -57,11 +57,11 @@ class ModelConfig:
         return tuple(i for i, moe in enumerate(self.moe_layers) if moe)
 
     @classmethod
-    def from_file(cls, path: Path) -> "ModelConfig":
+    def from_file(cls, path: Path) -> ModelConfig:
         return cls.from_dict(read_config_json(path, "a Hugging Face model directory"), source=str(path))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(

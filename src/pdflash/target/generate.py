@@ -7,9 +7,9 @@ import time
 import attrs
 import torch
 
-from pdflash.target.model import Qwen3MoeModel
 from pdflash.sampling import SamplingParams, sample
 from pdflash.stopping import StopRule
+from pdflash.target.model import Qwen3MoeModel
 
 
 @attrs.frozen(kw_only=True)

@@ -10,7 +10,9 @@ _MIN_CAPACITY = 64
 class KVCache:
     """Keys and values of one sequence for every layer: [layers, kv_heads, capacity, head_dim]."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.shape = (num_layers, num_kv_heads, 0, head_dim)
         self.dtype, self.device = dtype, device
         self.keys = torch.empty(self.shape, dtype=dtype, device=device)

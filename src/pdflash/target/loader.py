@@ -60,7 +60,7 @@ def load_target(
     layers, stacks = [], {}
     for i in tqdm(range(cfg.num_layers), desc="loading target", disable=not progress):
         p = f"model.layers.{i}."
-        bias = (lambda name, n: load(p + f"self_attn.{name}.bias", n)) if cfg.attention_bias else (lambda *_: None)
+        bias = (lambda name, n, p=p: load(p + f"self_attn.{name}.bias", n)) if cfg.attention_bias else (lambda *_: None)
         qkv_sizes = {"q_proj": cfg.num_heads * D, "k_proj": cfg.num_kv_heads * D, "v_proj": cfg.num_kv_heads * D}
         qkv_biases = [bias(name, n) for name, n in qkv_sizes.items()]
         attention = AttentionWeights(

@@ -125,8 +125,9 @@ def write_tiny_target(
     return directory
 
 
-def drafter_config(target_config: dict[str, Any], *, num_layers: int, block_size: int, mask_token_id: int,
-                   **overrides: Any) -> dict[str, Any]:
+def drafter_config(
+    target_config: dict[str, Any], *, num_layers: int, block_size: int, mask_token_id: int, **overrides: Any
+) -> dict[str, Any]:
     """A DFlash drafter config.json (Qwen3 config plus the DFlash fields) paired with `target_config`."""
     heads = target_config["num_attention_heads"]
     return {
@@ -150,8 +151,9 @@ def drafter_config(target_config: dict[str, Any], *, num_layers: int, block_size
     } | overrides
 
 
-def random_drafter_tensors(config: dict[str, Any], num_taps: int, generator: torch.Generator,
-                           std: float) -> dict[str, torch.Tensor]:
+def random_drafter_tensors(
+    config: dict[str, Any], num_taps: int, generator: torch.Generator, std: float
+) -> dict[str, torch.Tensor]:
     H, inter = config["hidden_size"], config["intermediate_size"]
 
     def randn(*shape: int) -> torch.Tensor:
@@ -168,8 +170,16 @@ def random_drafter_tensors(config: dict[str, Any], num_taps: int, generator: tor
     return tensors
 
 
-def write_tiny_drafter(directory: Path | str, target_directory: Path | str, *, num_layers: int = 2,
-                       block_size: int = 8, seed: int = 1, std: float = 0.08, **overrides: Any) -> Path:
+def write_tiny_drafter(
+    directory: Path | str,
+    target_directory: Path | str,
+    *,
+    num_layers: int = 2,
+    block_size: int = 8,
+    seed: int = 1,
+    std: float = 0.08,
+    **overrides: Any,
+) -> Path:
     """A random drafter in the published DFlash layout, paired with the target at `target_directory`."""
     from pdflash.spec.drafter import default_tap_layers
 
@@ -180,10 +190,12 @@ def write_tiny_drafter(directory: Path | str, target_directory: Path | str, *, n
     tok_path = Path(target_directory) / "tokenizer.json"
     if tok_path.is_file():
         mask_id = Tokenizer.from_file(str(tok_path)).token_to_id("<|mask|>") or mask_id
-    config = drafter_config(target_config, num_layers=num_layers, block_size=block_size, mask_token_id=mask_id,
-                            **overrides)
+    config = drafter_config(
+        target_config, num_layers=num_layers, block_size=block_size, mask_token_id=mask_id, **overrides
+    )
     taps = config["dflash_config"].get("target_layer_ids") or default_tap_layers(
-        target_config["num_hidden_layers"], num_layers)
+        target_config["num_hidden_layers"], num_layers
+    )
     generator = torch.Generator().manual_seed(seed)
     save_file(random_drafter_tensors(config, len(taps), generator, std), str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(config, indent=2))

@@ -22,9 +22,7 @@ class TextTokenizer:
             raise CheckpointError(f"{path}: cannot load tokenizer ({exc})") from exc
         size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         if size > vocab_size:
-            raise CheckpointError(
-                f"{path}: tokenizer has {size} tokens but the model's vocab_size is {vocab_size}"
-            )
+            raise CheckpointError(f"{path}: tokenizer has {size} tokens but the model's vocab_size is {vocab_size}")
         self.chat_template, self.special = _chat_settings(directory / "tokenizer_config.json")
 
     def encode(self, text: str) -> list[int]:
