@@ -23,11 +23,11 @@ import attrs
 import torch
 
 from pdflash.offload.eviction import make_policy
-from pdflash.offload.host_store import ExpertKey, HostExpert, HostExpertStore
+from pdflash.offload.host_store import HostExpert, HostExpertStore
 from pdflash.offload.link import Link
 from pdflash.offload.prefetch import PrefetchLane, Priority
 from pdflash.target.config import ModelConfig
-from pdflash.target.experts import ExpertWave
+from pdflash.target.experts import ExpertKey, ExpertWave
 
 MIN_SLOTS = 2  # one expert being computed while the next one lands
 
@@ -66,7 +66,7 @@ class _Counters:
     miss_bytes: int = 0
     evictions: int = 0
     peak_slots: int = 0
-    exposed_fetch_seconds: float = 0.0
+    exposed_fetch_s: float = 0.0
     prefetch_requests: int = 0
     prefetch_fetches: int = 0
     prefetch_bytes: int = 0
@@ -95,7 +95,7 @@ class OffloadStats:
     miss_bytes: int
     expert_cache_hit_rate: float  # hit_bytes / (hit_bytes + miss_bytes), 0.0 before any need
     evictions: int
-    exposed_fetch_seconds: float  # time forwards spent waiting for the lane (or for a free slot)
+    exposed_fetch_s: float  # time forwards spent waiting for the lane (or for a free slot)
     prefetch_requests: int  # prefetch keys queued (not resident when asked)
     prefetch_fetches: int  # of those, fetched
     prefetch_bytes: int  # byte-map bytes fetched by prefetches
@@ -227,7 +227,7 @@ class OffloadedExperts:
                 miss_bytes=c.miss_bytes,
                 expert_cache_hit_rate=_ratio(c.hit_bytes, c.hit_bytes + c.miss_bytes),
                 evictions=c.evictions,
-                exposed_fetch_seconds=c.exposed_fetch_seconds,
+                exposed_fetch_s=c.exposed_fetch_s,
                 prefetch_requests=c.prefetch_requests,
                 prefetch_fetches=c.prefetch_fetches,
                 prefetch_bytes=c.prefetch_bytes,
@@ -282,7 +282,7 @@ class OffloadedExperts:
                 self._cond.wait()
                 if not held:  # every slot was pinned by other forwards: try again now one was released
                     self._acquire(layer, pending, held)
-            self._counters.exposed_fetch_seconds += time.perf_counter() - started
+            self._counters.exposed_fetch_s += time.perf_counter() - started
             return ready
 
     def _acquire(self, layer: int, pending: list[int], held: list[_Entry]) -> None:

@@ -23,8 +23,7 @@ import torch
 from pdflash.errors import CheckpointError
 from pdflash.target.checkpoint import EXPERT_PROJECTIONS, Checkpoint, expert_shapes, expert_tensor_name
 from pdflash.target.config import ModelConfig
-
-ExpertKey = tuple[int, int]  # (layer, expert)
+from pdflash.target.experts import ExpertKey
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from pdflash.errors import CheckpointError
 from pdflash.target.config import ModelConfig
+from pdflash.target.experts import ExpertKey
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -134,7 +135,7 @@ def expert_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
 
-def expert_byte_map(checkpoint: Checkpoint, config: ModelConfig) -> dict[tuple[int, int], int]:
+def expert_byte_map(checkpoint: Checkpoint, config: ModelConfig) -> dict[ExpertKey, int]:
     """expert_nbytes[(layer, expert)]: exact payload bytes of that expert as stored (all its tensors)."""
     shapes = expert_shapes(config)
     return {

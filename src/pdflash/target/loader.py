@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_shapes, expert_tensor_name
 from pdflash.target.config import ModelConfig
-from pdflash.target.experts import ExpertProvider, ResidentExperts
+from pdflash.target.experts import ExpertKey, ExpertProvider, ResidentExperts
 from pdflash.target.model import AttentionWeights, LayerWeights, Qwen3MoeModel
 from pdflash.target.tokenizer import TextTokenizer
 
@@ -22,7 +22,7 @@ class LoadedTarget:
     model: Qwen3MoeModel
     tokenizer: TextTokenizer | None  # None when the directory has no tokenizer.json
     checkpoint: Checkpoint
-    expert_nbytes: dict[tuple[int, int], int]  # (layer, expert) -> payload bytes as stored
+    expert_nbytes: dict[ExpertKey, int]  # (layer, expert) -> payload bytes as stored
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
