@@ -11,11 +11,12 @@ import anyio
 import pytest
 from transitions import MachineError
 
-from pdflash.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverloadedError
+from pdflash.engine.async_engine import AsyncEngine
 from pdflash.engine.charging import largest_block_union_bytes
 from pdflash.engine.config import EngineConfig
 from pdflash.engine.outputs import TextStream
 from pdflash.engine.sequence import LIFECYCLE, Sequence, SequenceState
+from pdflash.errors import EngineClosedError, EngineOverloadedError
 from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator

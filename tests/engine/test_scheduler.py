@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from pdflash.engine.admission import TokensBytes, VerifyAdmission, VerifyDemand, admit_verify_demands
 from pdflash.engine.charging import ChargeMode, ExpertMasks, charge_bytes
-from pdflash.engine.scheduler import AdmissionCancelled, VerifyScheduler
+from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.engine.ticket import AdmissionCancelled
 
 BUDGET = TokensBytes(16, 80)
 CAP = TokensBytes(32, 160)

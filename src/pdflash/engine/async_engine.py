@@ -25,14 +25,14 @@ import anyio.abc
 import anyio.lowlevel
 import attrs
 
-from pdflash.engine.admission import require_fits_cap
 from pdflash.engine.builder import OffloadProvider, build_engine_parts
-from pdflash.engine.charging import largest_block_union_bytes
 from pdflash.engine.config import EngineConfig, EngineStats
 from pdflash.engine.lanes import Lane
 from pdflash.engine.outputs import RequestOutput, TextStream
-from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.engine.requests import prompt_token_ids
+from pdflash.engine.requests import sampling_params as request_sampling_params
 from pdflash.engine.sequence import Sequence, SequenceState
+from pdflash.errors import EngineClosedError, EngineOverloadedError
 from pdflash.sampling import SamplingParams
 from pdflash.spec.speculator import Speculator
 from pdflash.stopping import StopRule
@@ -40,14 +40,6 @@ from pdflash.target.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 S = SequenceState
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full: the request was not queued (retry later)."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is not running (outside `async with`, or after it exited)."""
 
 
 @attrs.define
@@ -80,7 +72,9 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.config = config if config is not None else EngineConfig()
         self.provider = provider
-        self.scheduler = self._verify_scheduler()
+        self.scheduler = self.config.verify_scheduler(
+            speculator.block_size, speculator.expert_nbytes, speculator.target.config.top_k
+        )
         self._seqs: dict[str, Sequence] = {}  # every sequence not yet released, in arrival order
         self._waiting: deque[Sequence] = deque()
         self._totals = _Totals()
@@ -186,8 +180,8 @@ class AsyncEngine:
             raise EngineClosedError(f"the engine's step loop stopped: {self.error!r}") from self.error
         if self._task_group is None:
             raise EngineClosedError("the engine is not running; use it inside `async with engine:`")
-        params = _sampling_params(sampling_params)
-        prompt_ids = self._prompt_ids(prompt)
+        params = request_sampling_params(sampling_params)
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.speculator.target.config.vocab_size)
         cfg = self.speculator.target.config
         StopRule.for_request(len(prompt_ids), params, cfg.max_positions)  # context limit
         text = TextStream(self.tokenizer, params.stop)
@@ -514,59 +508,3 @@ class AsyncEngine:
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "this model has no tokenizer.json, so a text prompt cannot be encoded; pass a list of token ids"
-                )
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        vocab = self.speculator.target.config.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]!r} are not ints in the vocabulary 0..{vocab - 1}")
-        if not ids:
-            raise ValueError("the prompt must contain at least one token, got an empty prompt")
-        return ids
-
-    def _verify_scheduler(self) -> VerifyScheduler:
-        """The verify scheduler, after checking the budgets can admit a full block (liveness)."""
-        cfg, block = self.config, self.speculator.block_size
-        if not cfg.two_dimensional:  # token-only: every drafted block of every live sequence fits a tick
-            budget = cfg.max_num_seqs * block
-            return VerifyScheduler(token_budget=budget, token_cap=budget, barrier_after=cfg.barrier_after)
-        assert cfg.verify_token_budget and cfg.verify_token_cap and cfg.verify_byte_cap  # all four (EngineConfig)
-        require_fits_cap("verify_token_cap", cfg.verify_token_cap, block, f"one verify block of {block} tokens")
-        byte_map = self.speculator.expert_nbytes
-        largest = largest_block_union_bytes(byte_map, block, self.speculator.target.config.top_k)
-        what = f"the largest expert union one verify block of {block} tokens can route, in bytes"
-        require_fits_cap("verify_byte_cap", cfg.verify_byte_cap, largest, what)
-        return VerifyScheduler(
-            token_budget=cfg.verify_token_budget,
-            token_cap=cfg.verify_token_cap,
-            byte_budget=cfg.verify_byte_budget,
-            byte_cap=cfg.verify_byte_cap,
-            barrier_after=cfg.barrier_after,
-            charge_mode=cfg.charge_mode,
-            byte_map=byte_map,
-        )
-
-
-def _sampling_params(value: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
-    if value is None:
-        return SamplingParams()
-    if isinstance(value, SamplingParams):
-        return value
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(attrs.fields_dict(SamplingParams)))
-        if unknown:
-            raise ValueError(
-                f"sampling_params has unknown fields {unknown}; valid: {sorted(attrs.fields_dict(SamplingParams))}"
-            )
-        return SamplingParams(**value)
-    raise TypeError(
-        f"sampling_params must be a SamplingParams, a mapping of its fields or None, got {type(value).__name__}"
-    )

@@ -38,9 +38,12 @@ class ChargeMode(enum.Enum):
 
 
 class Chargeable(Protocol):
-    union: frozenset[ExpertKey]  # projected routed union, (layer, expert) pairs
-    full_bytes: int  # bytes: sum of the byte map over `union`
-    fetch_bytes: int  # bytes of `union` not resident at projection time
+    @property
+    def union(self) -> frozenset[ExpertKey]: ...  # projected routed union, (layer, expert) pairs
+    @property
+    def full_bytes(self) -> int: ...  # bytes: sum of the byte map over `union`
+    @property
+    def fetch_bytes(self) -> int: ...  # bytes of `union` not resident at projection time
 
 
 class ExpertMasks:

@@ -7,10 +7,20 @@ work or scheduling state.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
 from pdflash.checks import require_int
-from pdflash.engine.charging import ChargeMode
+from pdflash.engine.admission import require_fits_cap
+from pdflash.engine.charging import ChargeMode, largest_block_union_bytes
+from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.target.experts import ExpertKey
+
+
+def _charge_mode(value: ChargeMode | str) -> ChargeMode:
+    return ChargeMode.parse(value)
+
 
 VERIFY_BUDGETS = ("verify_token_budget", "verify_byte_budget", "verify_token_cap", "verify_byte_cap")
 
@@ -26,7 +36,7 @@ class EngineConfig:
     verify_byte_budget: int | None = None  # expert bytes admitted per tick (charged per charge_mode)
     verify_token_cap: int | None = None  # carried tokens at most; >= one block
     verify_byte_cap: int | None = None  # carried bytes at most; >= one block's largest union
-    charge_mode: ChargeMode = attrs.field(default=ChargeMode.MARGINAL, converter=ChargeMode.parse)
+    charge_mode: ChargeMode = attrs.field(default=ChargeMode.MARGINAL, converter=_charge_mode)
     barrier_after: int = 4  # skipped ticks before a demand becomes a barrier (starvation guard)
 
     def __attrs_post_init__(self) -> None:
@@ -43,6 +53,29 @@ class EngineConfig:
     @property
     def two_dimensional(self) -> bool:
         return self.verify_byte_budget is not None
+
+    def verify_scheduler(self, block_tokens: int, byte_map: Mapping[ExpertKey, int], top_k: int) -> VerifyScheduler:
+        """The verify scheduler these settings describe, after checking that their caps can admit a
+        full block of `block_tokens` (liveness); token-only (no byte budgets): every block fits a tick."""
+        if self.verify_byte_budget is None:
+            budget = self.max_num_seqs * block_tokens
+            return VerifyScheduler(token_budget=budget, token_cap=budget, barrier_after=self.barrier_after)
+        assert self.verify_token_budget and self.verify_token_cap and self.verify_byte_cap  # all four (post-init)
+        block = f"one verify block of {block_tokens} tokens"
+        require_fits_cap("verify_token_cap", self.verify_token_cap, block_tokens, block)
+        largest = largest_block_union_bytes(byte_map, block_tokens, top_k)
+        require_fits_cap(
+            "verify_byte_cap", self.verify_byte_cap, largest, f"the largest expert union {block} can route"
+        )
+        return VerifyScheduler(
+            token_budget=self.verify_token_budget,
+            token_cap=self.verify_token_cap,
+            byte_budget=self.verify_byte_budget,
+            byte_cap=self.verify_byte_cap,
+            barrier_after=self.barrier_after,
+            charge_mode=self.charge_mode,
+            byte_map=byte_map,
+        )
 
 
 @attrs.frozen(kw_only=True)

@@ -151,4 +151,5 @@ class OutputMailbox:
         if self._pending is not None:
             output, self._pending = self._pending, None
             return output
+        assert self._error is not None  # the loop above ends on output or an error
         raise self._error

@@ -17,8 +17,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
 
-import anyio
-import anyio.lowlevel
 import attrs
 
 from pdflash.checks import require_int
@@ -31,12 +29,9 @@ from pdflash.engine.admission import (
     require_fits_cap,
 )
 from pdflash.engine.charging import ChargeMode, ExpertMasks, charge_bytes
+from pdflash.engine.ticket import Ticket
 from pdflash.measure import percentile
 from pdflash.target.experts import ExpertKey
-
-
-class AdmissionCancelled(Exception):
-    """Raised by Ticket.wait() when the demand was cancelled before it was admitted."""
 
 
 @attrs.frozen
@@ -48,42 +43,6 @@ class VerifyRequest:
     union: frozenset[ExpertKey]  # projected routed union, (layer, expert) pairs
     full_bytes: int  # bytes: sum of the byte map over `union`
     fetch_bytes: int  # bytes of `union` not resident at projection time
-
-
-@attrs.define(eq=False)
-class Ticket:
-    """One registration's admission ticket; a sequence's coroutine awaits `wait()`."""
-
-    seq_id: Hashable
-    _release: Callable[[Ticket], None]  # the scheduler's cleanup for a cancelled waiter
-    _event: anyio.Event = attrs.field(factory=anyio.Event, init=False)
-    _cancelled: bool = attrs.field(default=False, init=False)
-
-    @property
-    def admitted(self) -> bool:
-        return self._event.is_set() and not self._cancelled
-
-    async def wait(self) -> None:
-        """Return once a tick admits the demand; raise AdmissionCancelled if it was cancelled.
-
-        A waiter cancelled while waiting (even just after admission) hands its demand
-        back, so neither its place nor an already granted share of the budget leaks.
-        """
-        try:
-            await self._event.wait()
-            await anyio.lowlevel.checkpoint_if_cancelled()  # cancelled while being woken
-        except BaseException:
-            self._release(self)
-            raise
-        if self._cancelled:
-            raise AdmissionCancelled(f"the verify demand of sequence {self.seq_id!r} was cancelled")
-
-    def _admit(self) -> None:
-        self._event.set()
-
-    def _cancel(self) -> None:
-        self._cancelled = True
-        self._event.set()
 
 
 @attrs.define(eq=False)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import anyio
 import attrs
 from transitions import Machine
 
 from pdflash.engine.outputs import OutputMailbox, RequestMetrics, RequestOutput, TextStream
-from pdflash.engine.scheduler import Ticket
+from pdflash.engine.ticket import Ticket
 from pdflash.sampling import SamplingParams
 from pdflash.spec.session import DraftResult, SpecSession
 from pdflash.target.experts import ExpertKey
@@ -84,6 +85,16 @@ class Sequence:
     claimed: frozenset[ExpertKey] = frozenset()  # route-ahead union the cache keeps for its admitted verify
     busy: bool = False  # inside a lane call: the session must not be released yet
     released: anyio.Event = attrs.Factory(anyio.Event)  # KV, demand and claims given back
+
+    if TYPE_CHECKING:  # the triggers LIFECYCLE.add_model binds onto each instance
+
+        def schedule(self) -> bool: ...
+        def prefilled(self) -> bool: ...
+        def drafted(self) -> bool: ...
+        def verified(self) -> bool: ...
+        def finish(self) -> bool: ...
+        def abort(self) -> bool: ...
+        def fail(self) -> bool: ...
 
     def __attrs_post_init__(self) -> None:
         LIFECYCLE.add_model(self)

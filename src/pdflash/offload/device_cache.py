@@ -15,6 +15,7 @@ differs from the stored one.
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -168,7 +169,8 @@ class OffloadedExperts:
                 if self.device.type == "cuda":
                     stream = torch.cuda.current_stream(self.device)
                     for entry in wave:
-                        stream.wait_event(entry.loaded)
+                        if entry.loaded is not None:
+                            stream.wait_event(entry.loaded)
                 yield self._as_wave(wave)
                 with self._cond:
                     self._unpin(wave)
@@ -203,7 +205,7 @@ class OffloadedExperts:
                 if key in self._table:
                     self._claim(self._table[key])
                 else:
-                    self.lane.submit(priority, lambda key=key: self._prefetch_job(key, requested_at))
+                    self.lane.submit(priority, functools.partial(self._prefetch_job, key, requested_at))
                     queued += 1
             self._counters.prefetch_requests += queued
         return queued
@@ -436,7 +438,7 @@ def _budget_bytes(expert_cache_bytes: int | None, expert_cache_fraction: float |
         if not 0.0 < expert_cache_fraction <= 1.0:
             raise ValueError(f"expert_cache_fraction must be in (0, 1], got {expert_cache_fraction}")
         return int(expert_cache_fraction * all_expert_bytes)
-    if expert_cache_bytes < 0:
+    if expert_cache_bytes is None or expert_cache_bytes < 0:
         raise ValueError(f"expert_cache_bytes must be >= 0, got {expert_cache_bytes}")
     return int(expert_cache_bytes)
 

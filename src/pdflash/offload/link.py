@@ -38,7 +38,7 @@ class Link:
         return cls(label="emulated", gbps=float(gbps), latency_s=float(latency_s))
 
     def transfer_s(self, nbytes: int) -> float:
-        if self.label != "emulated":
+        if self.gbps is None:  # the real link: copies take the time they take
             return 0.0
         return nbytes / (self.gbps * 1e9) + self.latency_s
 

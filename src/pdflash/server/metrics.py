@@ -187,7 +187,7 @@ class RequestTracker:
                 self.metrics.prompt_tokens.inc(m.prompt_tokens)
                 if m.ttft_s is not None:
                     self.metrics.ttft.observe(m.ttft_s)
-            else:
+            elif self.last_at is not None:
                 gap = (now - self.last_at) / n
                 for _ in range(n):
                     self.metrics.itl.observe(gap)

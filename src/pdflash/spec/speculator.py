@@ -78,7 +78,7 @@ class Speculator:
         caches = [self.target.new_cache() for _ in requests]
         prompts = [torch.tensor(list(p), dtype=torch.int64) for p, _ in requests]
         out = self.target.forward(prompts, caches, last_logits_only=True, taps=self.taps)
-        taps = out.split(out.taps) if self.taps else [None] * len(requests)
+        taps = out.split_taps()
         sessions = []
         for i, ((prompt, params), rule) in enumerate(zip(requests, rules)):
             generator = params.generator(self.target.device)
@@ -138,7 +138,13 @@ class Speculator:
             return anchors
         mask = self.drafter.config.mask_token_id
         noisy = [torch.cat([a, torch.full((n - 1,), mask, dtype=torch.int64)]) for a, n in zip(anchors, sizes)]
-        logits = self.drafter.draft_logits([s.context for s in sessions], noisy, [s.draft_cache for s in sessions])
+        contexts, caches = [], []
+        for s in sessions:
+            if s.context is None or s.draft_cache is None:
+                raise RoundOrderError("draft_round on a session with no new target context (rounds out of order)")
+            contexts.append(s.context)
+            caches.append(s.draft_cache)
+        logits = self.drafter.draft_logits(contexts, noisy, caches)
         for s in sessions:
             s.context = None
         return [torch.cat([a, lg.argmax(dim=-1).cpu()]) for a, lg in zip(anchors, logits)]
@@ -148,16 +154,12 @@ class Speculator:
         return self.verify_rounds([session])[0]
 
     def verify_rounds(self, sessions: Sequence[SpecSession]) -> list[VerifyResult]:
-        for s in sessions:
-            if s.finished:
-                raise RoundOrderError("verify_round on a finished session")
-            if s.pending is None:
-                raise RoundOrderError("verify_round without a pending draft_round")
-        blocks = [torch.tensor(s.pending.block, dtype=torch.int64) for s in sessions]
+        drafts = [_pending_draft(s) for s in sessions]
+        blocks = [torch.tensor(d.block, dtype=torch.int64) for d in drafts]
         started = time.perf_counter()
         out = self.target.forward(blocks, [s.target_cache for s in sessions], taps=self.taps)
         share = (time.perf_counter() - started) / len(sessions)
-        taps = out.split(out.taps) if self.taps else [None] * len(sessions)
+        taps = out.split_taps()
         return [
             self._accept(s, block, logits, routed, tap, share)
             for s, block, logits, routed, tap in zip(
@@ -174,8 +176,7 @@ class Speculator:
         s.target_cache.crop(s.start + accepted + 1)
         s.context = taps[: accepted + 1] if taps is not None else None
         actual = routed_union(routed, self.target.config.moe_layer_ids)
-        pending = s.pending
-        assert pending is not None  # checked by verify_rounds
+        pending = _pending_draft(s)
         trace = RoundTrace(
             start=s.start,
             tokens=len(block),
@@ -219,6 +220,7 @@ def speculative_generate(speculator: Speculator, prompt_ids: Sequence[int], para
         speculator.verify_round(session)
     done = time.perf_counter()
     speculator.release(session)
+    assert session.finish_reason is not None  # the loop ran until the session finished
     n = len(session.emitted)
     return GenerationResult(
         token_ids=tuple(session.emitted),
@@ -233,3 +235,12 @@ def speculative_generate(speculator: Speculator, prompt_ids: Sequence[int], para
         }
         | session.stats(),
     )
+
+
+def _pending_draft(session: SpecSession) -> DraftResult:
+    """The session's drafted block, checking the round order (a verify needs one pending draft)."""
+    if session.finished:
+        raise RoundOrderError("verify_round on a finished session")
+    if session.pending is None:
+        raise RoundOrderError("verify_round without a pending draft_round")
+    return session.pending
