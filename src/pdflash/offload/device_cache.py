@@ -52,9 +52,18 @@ class _Entry:
     state: EntryState = EntryState.LOADING
     pins: int = 0  # waves holding it: never evicted while > 0
     prefetched: bool = False  # brought in by a prefetch and not yet used by a forward
-    claimed: bool = False  # a prefetch wants it kept until a forward next reaches its layer
     loaded: torch.cuda.Event | None = None  # CUDA: the lane's copy into the slot is done
     error: Exception | None = None
+
+
+@attrs.define(eq=False)
+class ExpertClaim:
+    """What one route-ahead prefetch asked the cache to keep: its keys stay claimed (no prefetch
+    evicts them) until `OffloadedExperts.release(claim)`, once the verify that needs them ran."""
+
+    keys: tuple[ExpertKey, ...]  # every key of the prefetched union, resident or queued
+    queued: int  # keys not resident when asked: fetches queued on the lane
+    released: bool = False  # given back (set by release, under the cache's lock)
 
 
 @attrs.define
@@ -101,6 +110,7 @@ class OffloadStats:
     prefetch_fetches: int  # of those, fetched
     prefetch_bytes: int  # byte-map bytes fetched by prefetches
     prefetch_dropped: int  # no slot could be freed for them without evicting pinned or claimed experts
+    claimed_experts: int  # experts some unreleased prefetch claim keeps
     prefetch_coverage: float  # bytes: first uses of prefetched experts / (those + misses)
     prefetch_waste_bytes: int  # prefetched bytes evicted before any forward used them
     fetch_errors: int
@@ -147,7 +157,7 @@ class OffloadedExperts:
         self._cond = threading.Condition()  # guards everything below, the policy and the counters
         self._table: dict[ExpertKey, _Entry] = {}
         self._free = list(range(S - 1, -1, -1))
-        self._claimed: dict[int, set[ExpertKey]] = {}  # layer -> claimed keys
+        self._claims: dict[ExpertKey, int] = {}  # key -> unreleased claims on it
         self._readers: dict[int, list[torch.cuda.Event]] = {}  # CUDA: slot -> compute done with it
         self._counters = _Counters()
         self._closed = False
@@ -160,9 +170,6 @@ class OffloadedExperts:
         held: list[_Entry] = []  # pinned by this call, not yet computed
         with self._cond:
             self.policy.observe(layer, pending)
-            for key in self._claimed.pop(layer, ()):
-                if key in self._table:
-                    self._table[key].claimed = False
         try:
             while pending or held:
                 wave = self._next_wave(layer, pending, held)
@@ -185,15 +192,15 @@ class OffloadedExperts:
             return frozenset(self._table)
 
     # -- prefetch ------------------------------------------------------------------------------
-    def prefetch(self, union: Iterable[ExpertKey], priority: Priority = Priority.ROUTE_AHEAD) -> int:
-        """Queue fetches of the keys of `union` not resident, earliest layer first; returns how many.
+    def prefetch(self, union: Iterable[ExpertKey], priority: Priority = Priority.ROUTE_AHEAD) -> ExpertClaim:
+        """Queue fetches of the keys of `union` not resident, earliest layer first, and claim them all.
 
-        Resident keys of `union`, and those the lane brings in, are claimed: no prefetch evicts
-        them until a forward reaches their layer (a forward's own misses still may).
+        Claimed keys are not evicted by any prefetch until `release(claim)` (a forward's own
+        misses still may evict them, last among candidates), so the verify that asked finds them.
         """
         if priority is Priority.ON_DEMAND:
             raise ValueError("prefetch priority must be ROUTE_AHEAD or BACKGROUND; ON_DEMAND is a forward's own")
-        keys = sorted(set(union))
+        keys = tuple(sorted(set(union)))
         unknown = [k for k in keys if k not in self.store]
         if unknown:
             raise ValueError(
@@ -202,15 +209,37 @@ class OffloadedExperts:
         queued, requested_at = 0, time.perf_counter()
         with self._cond:
             for key in keys:
-                if key in self._table:
-                    self._claim(self._table[key])
-                else:
+                self._claims[key] = self._claims.get(key, 0) + 1
+                if key not in self._table:
                     self.lane.submit(priority, functools.partial(self._prefetch_job, key, requested_at))
                     queued += 1
             self._counters.prefetch_requests += queued
-        return queued
+        return ExpertClaim(keys=keys, queued=queued)
+
+    def release(self, claim: ExpertClaim) -> None:
+        """Give back a prefetch's claims (its verify ran, or its sequence left); idempotent per claim."""
+        with self._cond:
+            if claim.released:
+                return
+            claim.released = True
+            for key in claim.keys:
+                left = self._claims.get(key, 0) - 1
+                if left > 0:
+                    self._claims[key] = left
+                else:
+                    self._claims.pop(key, None)
+            self._cond.notify_all()
 
     # -- stats ---------------------------------------------------------------------------------
+    @property
+    def link_bytes_per_s(self) -> float | None:
+        """The emulated link's rate; None for a real one (copies take what they take)."""
+        return self.link.gbps * 1e9 if self.link.gbps is not None else None
+
+    def copy_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) perf_counter seconds of the prefetch lane's recent jobs (fetches)."""
+        return list(self.lane.intervals)
+
     def snapshot(self) -> OffloadStats:
         with self._cond:
             c = self._counters
@@ -234,6 +263,7 @@ class OffloadedExperts:
                 prefetch_fetches=c.prefetch_fetches,
                 prefetch_bytes=c.prefetch_bytes,
                 prefetch_dropped=c.prefetch_dropped,
+                claimed_experts=len(self._claims),
                 prefetch_coverage=_ratio(c.prefetch_hit_bytes, c.prefetch_hit_bytes + c.miss_bytes),
                 prefetch_waste_bytes=c.prefetch_waste_bytes,
                 fetch_errors=c.fetch_errors,
@@ -340,11 +370,11 @@ class OffloadedExperts:
             candidates = [
                 e
                 for e in self._table.values()
-                if e.state is EntryState.READY and e.pins == 0 and (allow_claimed or not e.claimed)
+                if e.state is EntryState.READY and e.pins == 0 and (allow_claimed or e.key not in self._claims)
             ]
             if not candidates:
                 return None
-            victim = min(candidates, key=lambda e: (e.claimed, self.policy.score(e.key)))
+            victim = min(candidates, key=lambda e: (e.key in self._claims, self.policy.score(e.key)))
             self._forget(victim)
             self._counters.evictions += 1
             if victim.prefetched:
@@ -355,13 +385,8 @@ class OffloadedExperts:
 
     def _forget(self, entry: _Entry) -> None:
         del self._table[entry.key]
-        self._claimed.get(entry.key[0], set()).discard(entry.key)
         self.policy.forget(entry.key)
         self._free.append(entry.slot)
-
-    def _claim(self, entry: _Entry) -> None:
-        entry.claimed = True
-        self._claimed.setdefault(entry.key[0], set()).add(entry.key)
 
     def _fail(self, entry: _Entry, error: Exception) -> None:
         entry.state, entry.error = EntryState.FAILED, error
@@ -375,7 +400,6 @@ class OffloadedExperts:
             if self._closed:
                 return
             if key in self._table:
-                self._claim(self._table[key])
                 return
             slot = self._take_slot(allow_claimed=False)
             if slot is None:
@@ -385,7 +409,6 @@ class OffloadedExperts:
                 key=key, slot=slot, nbytes=self.store.nbytes(key), requested_at=requested_at, prefetched=True
             )
             self._table[key] = entry
-            self._claim(entry)
         if self._load(entry):
             with self._cond:
                 self._counters.prefetch_fetches += 1
