@@ -1,4 +1,7 @@
-"""Builds a `Qwen3MoeModel` from a local Hugging Face directory (config, weights, tokenizer)."""
+"""Builds a target model from a local Hugging Face directory (config, weights, tokenizer).
+
+Qwen3-MoE is built here; gpt-oss in `gpt_oss_loader` (chosen by the config's family).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +12,12 @@ import torch
 from tqdm import tqdm
 
 from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_shapes, expert_tensor_name
-from pdflash.target.config import ModelConfig
+from pdflash.target import gpt_oss_layout
+from pdflash.target.config import load_model_config
 from pdflash.target.experts import ExpertProvider, ResidentExperts
+from pdflash.target.gpt_oss import GptOssModel
+from pdflash.target.gpt_oss_experts import GptOssExpertProvider
+from pdflash.target.gpt_oss_loader import build_gpt_oss
 from pdflash.target.model import AttentionWeights, LayerWeights, Qwen3MoeModel
 from pdflash.target.tokenizer import TextTokenizer
 
@@ -19,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @attrs.frozen(kw_only=True)
 class LoadedTarget:
-    model: Qwen3MoeModel
+    model: Qwen3MoeModel | GptOssModel
     tokenizer: TextTokenizer | None  # None when the directory has no tokenizer.json
     checkpoint: Checkpoint
     expert_nbytes: dict[tuple[int, int], int]  # (layer, expert) -> payload bytes as stored
@@ -41,16 +48,20 @@ def load_target(
     *,
     dtype: str | None = None,
     device: str | torch.device = "cpu",
-    experts: ExpertProvider | None = None,
+    experts: ExpertProvider | GptOssExpertProvider | None = None,
     progress: bool = False,
 ) -> LoadedTarget:
     """Load config, non-expert weights and (unless `experts` is given) all experts, resident."""
     directory = Path(directory)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    config = ModelConfig.from_file(directory / "config.json")
+    config = load_model_config(directory / "config.json")
     checkpoint = Checkpoint(directory)
     tokenizer = TextTokenizer(directory, config.vocab_size) if (directory / "tokenizer.json").is_file() else None
+    if config.family == "gpt_oss":
+        model = build_gpt_oss(checkpoint, config, dtype=torch_dtype, device=device, experts=experts, progress=progress)
+        byte_map = gpt_oss_layout.expert_byte_map(checkpoint, config)
+        return LoadedTarget(model=model, tokenizer=tokenizer, checkpoint=checkpoint, expert_nbytes=byte_map)
 
     def load(name: str, *shape: int) -> torch.Tensor:
         return checkpoint.load(name, shape, torch_dtype).to(device)
