@@ -11,8 +11,8 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_shapes, expert_tensor_name
 from pdflash.target import gpt_oss_layout
+from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_shapes, expert_tensor_name
 from pdflash.target.config import load_model_config
 from pdflash.target.experts import ExpertProvider, ResidentExperts
 from pdflash.target.gpt_oss import GptOssModel
