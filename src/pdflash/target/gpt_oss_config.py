@@ -57,7 +57,9 @@ class GptOssConfig:
         num_layers, num_heads = int(need("num_hidden_layers")), int(need("num_attention_heads"))
         num_experts, top_k = int(need("num_local_experts")), int(need("num_experts_per_tok"))
         if not 0 < top_k <= num_experts:
-            raise CheckpointError(f"{source}: num_experts_per_tok={top_k} must be in 1..num_local_experts={num_experts}")
+            raise CheckpointError(
+                f"{source}: num_experts_per_tok={top_k} must be in 1..num_local_experts={num_experts}"
+            )
         layer_types = raw.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(num_layers)]
         bad = [t for t in layer_types if t not in LAYER_TYPES]
         if len(layer_types) != num_layers or bad:

@@ -62,7 +62,9 @@ def expert_byte_map(checkpoint: Checkpoint, config: GptOssConfig) -> dict[Expert
     """expert_nbytes[(layer, expert)]: the expert's share of each stacked tensor, as stored."""
     byte_map = {}
     for layer in config.moe_layer_ids:
-        per_expert = sum(info.nbytes // config.num_experts for info in stacked_infos(checkpoint, config, layer).values())
+        per_expert = sum(
+            info.nbytes // config.num_experts for info in stacked_infos(checkpoint, config, layer).values()
+        )
         byte_map |= {(layer, e): per_expert for e in range(config.num_experts)}
     return byte_map
 

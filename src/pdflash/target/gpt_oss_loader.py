@@ -37,7 +37,9 @@ def build_gpt_oss(
                 input_norm=load(p + "input_layernorm.weight", H),
                 post_attention_norm=load(p + "post_attention_layernorm.weight", H),
                 qkv_proj=torch.cat([load(p + f"self_attn.{name}.weight", n, H) for name, n in sizes.items()]),
-                qkv_bias=torch.cat([load(p + f"self_attn.{name}.bias", n) for name, n in sizes.items()]) if bias else None,
+                qkv_bias=torch.cat([load(p + f"self_attn.{name}.bias", n) for name, n in sizes.items()])
+                if bias
+                else None,
                 o_proj=load(p + "self_attn.o_proj.weight", H, cfg.num_heads * D),
                 o_bias=load(p + "self_attn.o_proj.bias", H) if bias else None,
                 sinks=load(p + "self_attn.sinks", cfg.num_heads),

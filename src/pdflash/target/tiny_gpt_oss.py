@@ -81,7 +81,9 @@ def random_gpt_oss_tensors(config: dict[str, Any], generator: torch.Generator, s
     return tensors
 
 
-def quantize_experts(tensors: dict[str, torch.Tensor], bias_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def quantize_experts(
+    tensors: dict[str, torch.Tensor], bias_dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     """The MXFP4 form of a dequantized checkpoint's tensors: experts packed, biases in `bias_dtype`."""
     out = {}
     for name, tensor in tensors.items():
