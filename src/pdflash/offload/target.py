@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 from pdflash.offload.device_cache import OffloadedExperts
+from pdflash.offload.gpt_oss_store import GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpertStore
 from pdflash.target.checkpoint import Checkpoint
-from pdflash.target.config import ModelConfig
+from pdflash.target.config import load_model_config
 from pdflash.target.loader import LoadedTarget, load_target, resolve_dtype
 
 
@@ -29,7 +30,12 @@ def load_offloaded_target(
     """
     directory = Path(directory)
     device = torch.device(device)
-    config = ModelConfig.from_file(directory / "config.json")
-    store = HostExpertStore(Checkpoint(directory), config, pin=device.type == "cuda" if pin_host is None else pin_host)
+    config = load_model_config(directory / "config.json")
+    pin = device.type == "cuda" if pin_host is None else pin_host
+    store: HostExpertStore | GptOssHostExpertStore = (
+        GptOssHostExpertStore(Checkpoint(directory), config, pin=pin)
+        if config.family == "gpt_oss"
+        else HostExpertStore(Checkpoint(directory), config, pin=pin)
+    )
     experts = OffloadedExperts(store, config, dtype=resolve_dtype(dtype, device), device=device, **cache)
     return load_target(directory, dtype=dtype, device=device, experts=experts, progress=progress)

@@ -41,25 +41,30 @@ class GptOssExpertProvider(Protocol):
         ...
 
 
-def wave_tensors(stored: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def wave_tensors(stored: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Wave tensors from a layer's (or one expert's) stored ones: MXFP4 kept, dense moved to [.., out, in].
 
-    `dtype` applies to dense weights and biases only; blocks and scales stay uint8.
+    `dtype` applies to dense weights and biases only (None keeps them as stored); blocks and
+    scales stay uint8.
     """
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t if dtype is None else t.to(dtype)
+
     if "gate_up_proj_blocks" in stored:
         return {
             "gate_up": stored["gate_up_proj_blocks"],
             "gate_up_scales": stored["gate_up_proj_scales"],
-            "gate_up_bias": stored["gate_up_proj_bias"].to(dtype),
+            "gate_up_bias": cast(stored["gate_up_proj_bias"]),
             "down": stored["down_proj_blocks"],
             "down_scales": stored["down_proj_scales"],
-            "down_bias": stored["down_proj_bias"].to(dtype),
+            "down_bias": cast(stored["down_proj_bias"]),
         }
     return {
-        "gate_up": stored["gate_up_proj"].transpose(-1, -2).to(dtype),  # [.., 2I, H]
-        "gate_up_bias": stored["gate_up_proj_bias"].to(dtype),
-        "down": stored["down_proj"].transpose(-1, -2).to(dtype),  # [.., H, I]
-        "down_bias": stored["down_proj_bias"].to(dtype),
+        "gate_up": cast(stored["gate_up_proj"].transpose(-1, -2)),  # [.., 2I, H]
+        "gate_up_bias": cast(stored["gate_up_proj_bias"]),
+        "down": cast(stored["down_proj"].transpose(-1, -2)),  # [.., H, I]
+        "down_bias": cast(stored["down_proj_bias"]),
     }
 
 
