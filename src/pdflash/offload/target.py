@@ -11,6 +11,7 @@ from pdflash.offload.gpt_oss_store import GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpertStore
 from pdflash.target.checkpoint import Checkpoint
 from pdflash.target.config import load_model_config
+from pdflash.target.gpt_oss_config import GptOssConfig
 from pdflash.target.loader import LoadedTarget, load_target, resolve_dtype
 
 
@@ -34,7 +35,7 @@ def load_offloaded_target(
     pin = device.type == "cuda" if pin_host is None else pin_host
     store: HostExpertStore | GptOssHostExpertStore = (
         GptOssHostExpertStore(Checkpoint(directory), config, pin=pin)
-        if config.family == "gpt_oss"
+        if isinstance(config, GptOssConfig)
         else HostExpertStore(Checkpoint(directory), config, pin=pin)
     )
     experts = OffloadedExperts(store, config, dtype=resolve_dtype(dtype, device), device=device, **cache)

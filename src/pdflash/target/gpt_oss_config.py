@@ -94,7 +94,7 @@ class GptOssConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", True)),
             eos_token_ids=eos_ids,
-            layer_windows=tuple(int(window) if t == "sliding_attention" else None for t in layer_types),
+            layer_windows=tuple(int(window or 0) if t == "sliding_attention" else None for t in layer_types),
             swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
             swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
             quant_method=quant,

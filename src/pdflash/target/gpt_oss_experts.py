@@ -32,7 +32,15 @@ class GptOssExpertWave:
 
     @classmethod
     def from_tensors(cls, slot_of_expert: torch.Tensor, tensors: dict[str, torch.Tensor]) -> GptOssExpertWave:
-        return cls(slot_of_expert=slot_of_expert, **{name: tensors.get(name) for name in WAVE_TENSORS})
+        return cls(
+            slot_of_expert=slot_of_expert,
+            gate_up=tensors["gate_up"],
+            gate_up_scales=tensors.get("gate_up_scales"),
+            gate_up_bias=tensors["gate_up_bias"],
+            down=tensors["down"],
+            down_scales=tensors.get("down_scales"),
+            down_bias=tensors["down_bias"],
+        )
 
 
 class GptOssExpertProvider(Protocol):

@@ -29,7 +29,7 @@ def expert_prefix(layer: int) -> str:
 def stacked_shapes(config: GptOssConfig) -> dict[str, tuple[int, ...]]:
     """Stored name suffix -> shape of the stacked tensor, for the config's form."""
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    biases = {"gate_up_proj_bias": (E, 2 * I), "down_proj_bias": (E, H)}
+    biases: dict[str, tuple[int, ...]] = {"gate_up_proj_bias": (E, 2 * I), "down_proj_bias": (E, H)}
     if config.quant_method == "mxfp4":
         for name, size in (("hidden_size", H), ("intermediate_size", I)):
             if size % BLOCK_SIZE:
@@ -60,7 +60,7 @@ def stacked_infos(checkpoint: Checkpoint, config: GptOssConfig, layer: int) -> d
 
 def expert_byte_map(checkpoint: Checkpoint, config: GptOssConfig) -> dict[ExpertKey, int]:
     """expert_nbytes[(layer, expert)]: the expert's share of each stacked tensor, as stored."""
-    byte_map = {}
+    byte_map: dict[ExpertKey, int] = {}
     for layer in config.moe_layer_ids:
         per_expert = sum(
             info.nbytes // config.num_experts for info in stacked_infos(checkpoint, config, layer).values()

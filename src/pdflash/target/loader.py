@@ -6,6 +6,7 @@ Qwen3-MoE is built here; gpt-oss in `gpt_oss_loader` (chosen by the config's fam
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import attrs
 import torch
@@ -16,6 +17,7 @@ from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_shapes
 from pdflash.target.config import load_model_config
 from pdflash.target.experts import ExpertProvider, ResidentExperts
 from pdflash.target.gpt_oss import GptOssModel
+from pdflash.target.gpt_oss_config import GptOssConfig
 from pdflash.target.gpt_oss_experts import GptOssExpertProvider
 from pdflash.target.gpt_oss_loader import build_gpt_oss
 from pdflash.target.model import AttentionWeights, LayerWeights, Qwen3MoeModel
@@ -58,10 +60,14 @@ def load_target(
     config = load_model_config(directory / "config.json")
     checkpoint = Checkpoint(directory)
     tokenizer = TextTokenizer(directory, config.vocab_size) if (directory / "tokenizer.json").is_file() else None
-    if config.family == "gpt_oss":
-        model = build_gpt_oss(checkpoint, config, dtype=torch_dtype, device=device, experts=experts, progress=progress)
+    if isinstance(config, GptOssConfig):
+        provider = cast(GptOssExpertProvider | None, experts)
+        gpt_oss = build_gpt_oss(
+            checkpoint, config, dtype=torch_dtype, device=device, experts=provider, progress=progress
+        )
         byte_map = gpt_oss_layout.expert_byte_map(checkpoint, config)
-        return LoadedTarget(model=model, tokenizer=tokenizer, checkpoint=checkpoint, expert_nbytes=byte_map)
+        return LoadedTarget(model=gpt_oss, tokenizer=tokenizer, checkpoint=checkpoint, expert_nbytes=byte_map)
+    experts = cast(ExpertProvider | None, experts)
 
     def load(name: str, *shape: int) -> torch.Tensor:
         return checkpoint.load(name, shape, torch_dtype).to(device)

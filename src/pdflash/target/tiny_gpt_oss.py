@@ -85,7 +85,7 @@ def quantize_experts(
     tensors: dict[str, torch.Tensor], bias_dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, torch.Tensor]:
     """The MXFP4 form of a dequantized checkpoint's tensors: experts packed, biases in `bias_dtype`."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             blocks, scales = pack_mxfp4(tensor.transpose(1, 2).contiguous())  # [E, out, in] -> blocks, scales
