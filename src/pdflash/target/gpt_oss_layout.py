@@ -75,3 +75,10 @@ def published_expert_nbytes(hidden_size: int, intermediate_size: int) -> int:
     gpt-oss-20b and gpt-oss-120b (hidden 2880, intermediate 2880): 13,236,480 bytes.
     """
     return mxfp4_expert_nbytes(hidden_size, intermediate_size, torch.bfloat16)
+
+
+def config_byte_map(config: GptOssConfig) -> dict[ExpertKey, int]:
+    """The byte map of a published (MXFP4) gpt-oss checkpoint from its config alone, for profiles
+    and simulations without the weights: every expert of every layer is `published_expert_nbytes`."""
+    nbytes = published_expert_nbytes(config.hidden_size, config.moe_intermediate_size)
+    return {(layer, e): nbytes for layer in config.moe_layer_ids for e in range(config.num_experts)}
