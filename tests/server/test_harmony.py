@@ -80,10 +80,10 @@ class ScriptedEngine:
                 prompt_tokens=5,
                 generated_tokens=i + 1,
                 acceptance_lengths=(),
-                ttft_seconds=0.0,
+                ttft_s=0.0,
                 expert_bytes=0,
                 fetch_bytes=0,
-                admission_wait_seconds=0.0,
+                admission_wait_s=0.0,
             )
             yield RequestOutput(
                 request_id="r",

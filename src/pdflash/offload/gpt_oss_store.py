@@ -9,6 +9,7 @@ must not know about slots, budgets or eviction.
 
 from __future__ import annotations
 
+import mmap
 import threading
 import warnings
 from pathlib import Path
@@ -18,8 +19,9 @@ import torch
 
 from pdflash.errors import CheckpointError
 from pdflash.kernels.mxfp4 import TensorSpec
-from pdflash.offload.host_store import ExpertKey, _map_file
+from pdflash.offload.host_store import _map_file
 from pdflash.target.checkpoint import Checkpoint, TensorInfo
+from pdflash.target.experts import ExpertKey
 from pdflash.target.gpt_oss_config import GptOssConfig
 from pdflash.target.gpt_oss_experts import GptOssExpertWave, wave_tensors
 from pdflash.target.gpt_oss_layout import expert_prefix, stacked_infos
@@ -40,12 +42,12 @@ class GptOssHostExpertStore:
     def __init__(self, checkpoint: Checkpoint, config: GptOssConfig, *, pin: bool = False) -> None:
         self.checkpoint = checkpoint
         self.keys = [(layer, e) for layer in config.moe_layer_ids for e in range(config.num_experts)]
-        self._maps: dict[Path, tuple] = {}  # file -> (map, data start, header)
+        self._maps: dict[Path, mmap.mmap] = {}  # file -> its private map
         self._names: dict[tuple[int, str], str] = {}  # (layer, wave tensor name) -> stored tensor name
         self._experts: dict[ExpertKey, GptOssHostExpert] = {}
         for layer in config.moe_layer_ids:
             infos = stacked_infos(checkpoint, config, layer)
-            stacks = {suffix: self._view(expert_prefix(layer) + suffix, info) for suffix, info in infos.items()}
+            stacks = {suffix: self._view(info) for suffix, info in infos.items()}
             for wave_name, suffix in _wave_names(infos).items():
                 self._names[(layer, wave_name)] = expert_prefix(layer) + suffix
             for e in range(config.num_experts):
@@ -87,19 +89,12 @@ class GptOssHostExpertStore:
     def wave(self, slot_of_expert: torch.Tensor, arena: dict[str, torch.Tensor]) -> GptOssExpertWave:
         return GptOssExpertWave.from_tensors(slot_of_expert, arena)
 
-    def _view(self, name: str, info: TensorInfo) -> torch.Tensor:
-        """The whole stacked tensor `name` as a zero-copy view of its file's private map."""
+    def _view(self, info: TensorInfo) -> torch.Tensor:
+        """A whole stacked tensor as a zero-copy view of its file's private map (the checkpoint's byte range)."""
         if info.file not in self._maps:
             self._maps[info.file] = _map_file(info.file)
-        mapped, data_start, header = self._maps[info.file]
-        start, end = (data_start + offset for offset in header[name]["data_offsets"])
-        if end - start != info.nbytes or end > len(mapped):
-            raise CheckpointError(
-                f"{info.file}: tensor {name!r} spans bytes [{start}, {end}) of a {len(mapped)}-byte file, "
-                f"but {info.dtype} {list(info.shape)} needs {info.nbytes} bytes inside it"
-            )
-        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=info.nbytes, offset=start)  # zero-copy
-        if start % info.dtype.itemsize:
+        raw = torch.frombuffer(self._maps[info.file], dtype=torch.uint8, count=info.nbytes, offset=info.start)
+        if info.start % info.dtype.itemsize:
             raw = raw.clone()  # misaligned for its dtype: an aligned private copy
         return raw.view(info.dtype).view(info.shape)
 

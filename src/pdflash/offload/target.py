@@ -10,9 +10,9 @@ from pdflash.offload.device_cache import OffloadedExperts
 from pdflash.offload.gpt_oss_store import GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpertStore
 from pdflash.target.checkpoint import Checkpoint
-from pdflash.target.config import load_model_config
+from pdflash.target.config import ModelConfig
 from pdflash.target.gpt_oss_config import GptOssConfig
-from pdflash.target.loader import LoadedTarget, load_target, resolve_dtype
+from pdflash.target.loader import LoadedTarget, load_target
 
 
 def load_offloaded_target(
@@ -27,16 +27,19 @@ def load_offloaded_target(
     """Non-expert weights resident, experts served by an `OffloadedExperts` (at `.model.experts`).
 
     `cache` are `OffloadedExperts` keywords (expert_cache_bytes or expert_cache_fraction,
-    policy, link_gbps, link_latency_s). `pin_host` defaults to pinning on CUDA only.
+    policy, link_gbps, link_latency_s). `pin_host` defaults to pinning on CUDA only. The host
+    store follows the family: gpt-oss experts stay as stored (MXFP4 packed).
     """
-    directory = Path(directory)
-    device = torch.device(device)
-    config = load_model_config(directory / "config.json")
-    pin = device.type == "cuda" if pin_host is None else pin_host
-    store: HostExpertStore | GptOssHostExpertStore = (
-        GptOssHostExpertStore(Checkpoint(directory), config, pin=pin)
-        if isinstance(config, GptOssConfig)
-        else HostExpertStore(Checkpoint(directory), config, pin=pin)
-    )
-    experts = OffloadedExperts(store, config, dtype=resolve_dtype(dtype, device), device=device, **cache)
+
+    def experts(
+        checkpoint: Checkpoint, config: ModelConfig | GptOssConfig, torch_dtype: torch.dtype, device: torch.device
+    ) -> OffloadedExperts:
+        pin = device.type == "cuda" if pin_host is None else pin_host
+        store: HostExpertStore | GptOssHostExpertStore = (
+            GptOssHostExpertStore(checkpoint, config, pin=pin)
+            if isinstance(config, GptOssConfig)
+            else HostExpertStore(checkpoint, config, pin=pin)
+        )
+        return OffloadedExperts(store, config, dtype=torch_dtype, device=device, **cache)  # type: ignore[arg-type]
+
     return load_target(directory, dtype=dtype, device=device, experts=experts, progress=progress)

@@ -17,9 +17,8 @@ import torch
 from pdflash.errors import CheckpointError
 from pdflash.kernels.mxfp4 import BLOCK_SIZE, mxfp4_expert_nbytes
 from pdflash.target.checkpoint import Checkpoint, TensorInfo
+from pdflash.target.experts import ExpertKey
 from pdflash.target.gpt_oss_config import GptOssConfig
-
-ExpertKey = tuple[int, int]  # (layer, expert)
 
 
 def expert_prefix(layer: int) -> str:
