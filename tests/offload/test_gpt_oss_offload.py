@@ -85,3 +85,10 @@ def test_offloaded_at_a_tenth_equals_resident(checkpoint):
         assert stats["expert_bytes_fetched"] == stats["fetches"] * offloaded.expert_nbytes[(0, 0)]
     finally:
         provider.close()
+
+
+def test_resident_mxfp4_experts_stay_packed(checkpoint):
+    form, directory = checkpoint
+    stack = load_target(directory).model.experts.stacks[0]
+    packed = form == "mxfp4"
+    assert (stack["gate_up"].dtype == torch.uint8) == packed and ("down_scales" in stack) == packed
