@@ -135,3 +135,36 @@ async def test_whole_chat_message_has_reasoning_content(tokenizer):
     engine = ScriptedEngine(tokenizer, [COMPLETION[:20], COMPLETION[20:]])
     body = await reply_for(engine).whole(engine.stream())
     assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}
+
+
+def test_served_gpt_oss_chat_is_the_split_of_its_raw_completion(tmp_path):
+    """Through a real server on the tiny gpt-oss: whole and streamed chat replies are the channels
+    of what /v1/completions returns for the same rendered prompt (random weights write markers at
+    random, so the split is exercised on genuine model output)."""
+    import httpx
+
+    from pdflash.engine.async_engine import AsyncEngine
+    from pdflash.server import BackgroundServer, create_app
+
+    directory = write_tiny_gpt_oss(tmp_path / "g", seed=7)  # its greedy reply holds a <|message|> body
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    prompt = TextTokenizer(directory, TINY_GPT_OSS_CONFIG["vocab_size"]).apply_chat_template(messages)
+    request = {"model": "tiny", "max_tokens": 48, "temperature": 0}
+    engine = AsyncEngine.from_pretrained(directory, None, max_num_seqs=2)
+    with BackgroundServer(create_app(engine, ServerSettings(model_name="tiny"))) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            raw = http.post("/v1/completions", json=request | {"prompt": prompt}).json()["choices"][0]["text"]
+            whole = http.post("/v1/chat/completions", json=request | {"messages": messages}).json()
+            streamed = http.post("/v1/chat/completions", json=request | {"messages": messages, "stream": True})
+    message = whole["choices"][0]["message"]
+    content, reasoning = split_channels(raw)
+    assert (message["content"], message["reasoning_content"]) == (content, reasoning)
+    deltas = [
+        json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert "".join(d.get("content", "") for d in deltas) == content
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
+    # this reply has one header and no end marker: the content is everything after its <|message|>
+    assert content == raw.split("<|message|>", 1)[1] and reasoning == ""

@@ -19,9 +19,15 @@ from pdflash.kernels.routing import permutation
 from pdflash.target.gpt_oss_config import GptOssConfig
 from pdflash.target.gpt_oss_experts import GptOssExpertProvider
 from pdflash.target.kv_cache import KVCache
-from pdflash.target.model import BatchOutput, rms_norm
+from pdflash.target.model import BatchOutput
 from pdflash.target.rope import Rotary, apply_rotary
 from pdflash.target.sink_attention import attend_with_sinks, visible_keys
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gpt-oss's RMS norm: the weight multiplies in float32 before the cast back (transformers keeps it float32)."""
+    x32 = x.float()
+    return (weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
 @attrs.frozen(kw_only=True)
