@@ -70,3 +70,16 @@ def test_sliding_layers_without_a_window_are_rejected(directory):
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="sliding_attention layers need sliding_window >= 1; got None"):
         load_target(directory)
+
+
+def test_nan_scale_is_named_at_load_and_at_first_fetch(directory):
+    def poison(tensors):
+        tensors[SCALES][3, 0, 0] = 255  # E8M0's NaN
+
+    rewrite(directory, poison)
+    with pytest.raises(CheckpointError, match=f"tensor '{SCALES}' holds the E8M0 scale 255"):
+        load_target(directory)
+    with load_offloaded_target(directory, expert_cache_fraction=0.5).model.experts as provider:
+        provider.store.expert((1, 2))  # an expert whose scales are fine
+        with pytest.raises(CheckpointError, match=f"tensor '{SCALES}' holds the E8M0 scale 255"):
+            provider.store.expert((1, 3))

@@ -17,14 +17,13 @@ from pathlib import Path
 import attrs
 import torch
 
-from pdflash.errors import CheckpointError
 from pdflash.kernels.mxfp4 import TensorSpec
 from pdflash.offload.host_store import _map_file
 from pdflash.target.checkpoint import Checkpoint, TensorInfo
 from pdflash.target.experts import ExpertKey
 from pdflash.target.gpt_oss_config import GptOssConfig
 from pdflash.target.gpt_oss_experts import GptOssExpertWave, wave_tensors
-from pdflash.target.gpt_oss_layout import expert_prefix, stacked_infos
+from pdflash.target.gpt_oss_layout import check_finite, expert_prefix, stacked_infos
 
 
 @attrs.frozen(kw_only=True)
@@ -59,19 +58,15 @@ class GptOssHostExpertStore:
         self.pinned = self._pin_all() if pin else 0
 
     def expert(self, key: ExpertKey) -> GptOssHostExpert:
-        """The tensors of `key`, their float ones checked finite on first use."""
+        """The tensors of `key`, checked on first use (no NaN/inf, no NaN scale; the error names the tensor)."""
         expert = self._experts.get(key)
         if expert is None:
             raise KeyError(f"expert {key} is not in this checkpoint (layers x experts: {len(self.keys)} keys)")
         with self._verify_lock:
             if key not in self._verified:
                 for name, tensor in expert.stored.items():
-                    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                        stored = self._names[(key[0], name)]
-                        raise CheckpointError(
-                            f"{self.checkpoint.tensors[stored].file}: tensor {stored!r} (expert {key[1]}) "
-                            f"contains NaN or infinite values"
-                        )
+                    stored = self._names[(key[0], name)]
+                    check_finite(tensor, stored, self.checkpoint.tensors[stored])
                 self._verified.add(key)
         return expert
 

@@ -15,7 +15,7 @@ import torch
 
 from pdflash.target.checkpoint import Checkpoint
 from pdflash.target.gpt_oss_config import GptOssConfig
-from pdflash.target.gpt_oss_layout import expert_prefix, stacked_infos
+from pdflash.target.gpt_oss_layout import check_finite, expert_prefix, stacked_infos
 
 WAVE_TENSORS = ("gate_up", "gate_up_scales", "gate_up_bias", "down", "down_scales", "down_bias")
 
@@ -82,10 +82,12 @@ class ResidentGptOssExperts:
     def __init__(self, checkpoint: Checkpoint, config: GptOssConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.stacks: dict[int, dict[str, torch.Tensor]] = {}
         for layer in config.moe_layer_ids:
-            stored = {
-                suffix: checkpoint.load(expert_prefix(layer) + suffix, info.shape, info.dtype).to(device)
-                for suffix, info in stacked_infos(checkpoint, config, layer).items()
-            }
+            stored = {}
+            for suffix, info in stacked_infos(checkpoint, config, layer).items():
+                name = expert_prefix(layer) + suffix
+                stored[suffix] = checkpoint.load(name, info.shape, info.dtype)
+                check_finite(stored[suffix], name, info)
+            stored = {suffix: t.to(device) for suffix, t in stored.items()}
             self.stacks[layer] = {name: t.contiguous() for name, t in wave_tensors(stored, dtype).items()}
         self._identity = torch.arange(config.num_experts, device=device)
 

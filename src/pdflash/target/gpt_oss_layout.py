@@ -81,3 +81,11 @@ def config_byte_map(config: GptOssConfig) -> dict[ExpertKey, int]:
     and simulations without the weights: every expert of every layer is `published_expert_nbytes`."""
     nbytes = published_expert_nbytes(config.hidden_size, config.moe_intermediate_size)
     return {(layer, e): nbytes for layer in config.moe_layer_ids for e in range(config.num_experts)}
+
+
+def check_finite(tensor: torch.Tensor, name: str, info: TensorInfo) -> None:
+    """Raise naming `name` if a float tensor holds NaN/inf, or an E8M0 scale tensor the NaN code 255."""
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        raise CheckpointError(f"{info.file}: tensor {name!r} contains NaN or infinite values")
+    if name.endswith("_scales") and bool((tensor == 255).any()):
+        raise CheckpointError(f"{info.file}: tensor {name!r} holds the E8M0 scale 255, which means NaN")
