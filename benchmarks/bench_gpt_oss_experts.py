@@ -1,7 +1,7 @@
 """Times gpt-oss's expert MLP with MXFP4 experts (dequantized at compute) against the same experts dense.
 
-One layer of `kernels.clamped_swiglu.clamped_swiglu_reference`, the path gpt-oss experts take
-on every device today, at gpt-oss-20b's expert shape (H = I = 2880, 32 experts, top-4) by
+One layer of `kernels.clamped_swiglu.clamped_swiglu_reference`, the torch path gpt-oss experts
+take off CUDA, at gpt-oss-20b's expert shape (H = I = 2880, 32 experts, top-4) by
 default, in float32 on the CPU. Both sides compute the same routed experts; the MXFP4 side
 reads a quarter of the bytes and pays the unpacking. Prints the medians side by side and
 their ratio, and the bytes each side reads per routed expert.

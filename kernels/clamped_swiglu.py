@@ -6,8 +6,8 @@
 
 The weights of a slot are either dense ([2I, H], [H, I]) or MXFP4 blocks with their scales,
 dequantized to x's dtype here, one routed expert at a time (so a wave never expands whole).
-The Triton MXFP4 kernels (`triton_swiglu`) implement plain SwiGLU only; this is the path on
-every device for now.
+`clamped_swiglu_triton` runs the same on the Triton kernels of `triton_swiglu` (blocks decoded
+in registers); `pdflash.kernels.dispatch.clamped_swiglu` picks between them.
 """
 
 from __future__ import annotations
@@ -57,3 +57,38 @@ def clamped_swiglu_reference(
         act = (up + 1) * (gate * torch.sigmoid(gate * alpha))  # [n, I]
         y_all[lo:hi] = act @ w_down.to(x.dtype).T + down_bias[slot].to(x.dtype)  # [n, H]
     out.index_add_(0, tokens, y_all * routing.topk_weights.flatten()[order, None])  # skipped experts add 0
+
+
+def clamped_swiglu_triton(
+    x: torch.Tensor,
+    routing: Routing,
+    gate_up: torch.Tensor,
+    gate_up_scales: torch.Tensor | None,
+    gate_up_bias: torch.Tensor,
+    down: torch.Tensor,
+    down_scales: torch.Tensor | None,
+    down_bias: torch.Tensor,
+    slot_of_expert: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    limit: float,
+    alpha: float,
+) -> None:
+    """Same contract as `clamped_swiglu_reference`; MXFP4 blocks are decoded inside the GEMMs."""
+    from pdflash.kernels.triton_swiglu import launch_grouped_swiglu  # lazy: needs triton
+
+    if tuple(out.shape) != tuple(x.shape) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {tuple(x.shape)}; got {out.dtype} {tuple(out.shape)}")
+    inter = down.shape[2] * (32 if down_scales is not None else 1)
+    scales = None if gate_up_scales is None else (gate_up_scales, gate_up_scales, down_scales)
+    launch_grouped_swiglu(
+        x,
+        routing,
+        slot_of_expert,
+        out,
+        (gate_up, gate_up, down),
+        scales,
+        (gate_up_bias.to(x.dtype), gate_up_bias.to(x.dtype), down_bias.to(x.dtype)),
+        inter,
+        clamp=(limit, alpha),
+    )

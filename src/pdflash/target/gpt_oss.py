@@ -14,7 +14,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from pdflash.kernels.clamped_swiglu import clamped_swiglu_reference
+from pdflash import kernels
 from pdflash.kernels.routing import permutation
 from pdflash.target.gpt_oss_config import GptOssConfig
 from pdflash.target.gpt_oss_experts import GptOssExpertProvider
@@ -151,7 +151,7 @@ class GptOssModel:
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)  # [T, H]
         if not skip_experts:
             for wave in self.experts.waves(layer, routing.union_ids().tolist()):
-                clamped_swiglu_reference(
+                kernels.clamped_swiglu(
                     h,
                     routing,
                     wave.gate_up,
