@@ -92,3 +92,13 @@ def test_resident_mxfp4_experts_stay_packed(checkpoint):
     stack = load_target(directory).model.experts.stacks[0]
     packed = form == "mxfp4"
     assert (stack["gate_up"].dtype == torch.uint8) == packed and ("down_scales" in stack) == packed
+
+
+def test_bfloat16_compute_offloaded_equals_resident(checkpoint):
+    _, directory = checkpoint
+    resident = load_target(directory, dtype="bfloat16").model
+    offloaded = load_offloaded_target(directory, dtype="bfloat16", expert_cache_fraction=0.1).model
+    with offloaded.experts:
+        prompt = torch.tensor(PROMPT)
+        expected = resident.forward([prompt], [resident.new_cache()]).logits
+        assert torch.equal(offloaded.forward([prompt], [offloaded.new_cache()]).logits, expected)
