@@ -233,7 +233,7 @@ def test_cache_stays_in_budget_and_pinned_experts_survive_concurrency(store, con
         raise failures[0]
     stats = provider.stats()
     assert stats["expert_cache_peak_bytes"] <= stats["expert_cache_bytes"]
-    assert sum(t.nbytes for t in (provider.gate, provider.up, provider.down)) <= stats["expert_cache_bytes"]
+    assert sum(t.nbytes for t in provider.arena.values()) <= stats["expert_cache_bytes"]
     assert all(entry.pins == 0 for entry in provider._table.values())
 
 

@@ -1,6 +1,7 @@
 """The device expert cache: a byte-budgeted slot arena that serves MoE layers their experts in waves.
 
-Owns the arena (gate/up/down slots in the compute dtype on the device), which expert sits in
+Owns the arena (one expert per slot, laid out as the store's `slot_layout` says: Qwen3's
+gate/up/down in the compute dtype, gpt-oss's MXFP4 blocks and scales as stored), which expert sits in
 which slot, pins, eviction, on-demand and prefetch requests to the lane, and the offload
 stats. Implements the `ExpertProvider` protocol (`waves`) and `resident()` (the speculator's
 fetch_bytes). It must not touch model math (the model) or the file format (HostExpertStore).
@@ -19,16 +20,20 @@ import functools
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import attrs
 import torch
 
+from pdflash.kernels.mxfp4 import payload_nbytes
 from pdflash.offload.eviction import make_policy
+from pdflash.offload.gpt_oss_store import GptOssHostExpert, GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpert, HostExpertStore
 from pdflash.offload.link import Link
 from pdflash.offload.prefetch import PrefetchLane, Priority
 from pdflash.target.config import ModelConfig
-from pdflash.target.experts import ExpertKey, ExpertWave
+from pdflash.target.experts import ExpertKey
+from pdflash.target.gpt_oss_config import GptOssConfig
 
 MIN_SLOTS = 2  # one expert being computed while the next one lands
 
@@ -124,8 +129,8 @@ class OffloadedExperts:
 
     def __init__(
         self,
-        store: HostExpertStore,
-        config: ModelConfig,
+        store: HostExpertStore | GptOssHostExpertStore,
+        config: ModelConfig | GptOssConfig,
         *,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
@@ -138,8 +143,8 @@ class OffloadedExperts:
         self.store = store
         self.device = torch.device(device)
         self.num_experts = config.num_experts
-        I, H = config.moe_intermediate_size, config.hidden_size
-        self.slot_bytes = 3 * I * H * dtype.itemsize
+        layout = store.slot_layout(dtype)  # name -> (shape, dtype) of one slot's tensors
+        self.slot_bytes = payload_nbytes(*layout.values())
         self.budget_bytes = _budget_bytes(expert_cache_bytes, expert_cache_fraction, len(store.keys) * self.slot_bytes)
         self.num_slots = min(self.budget_bytes // self.slot_bytes, len(store.keys))
         if self.num_slots < MIN_SLOTS:
@@ -150,10 +155,11 @@ class OffloadedExperts:
             )
         self.policy = make_policy(policy)
         self.link = Link.for_device(self.device, gbps=link_gbps, latency_s=link_latency_s)
+        self.arena = {  # name -> [S, ...]: Qwen3 gate/up/down; gpt-oss MXFP4 blocks, scales, biases
+            name: torch.empty((self.num_slots, *shape), dtype=slot_dtype, device=self.device)
+            for name, (shape, slot_dtype) in layout.items()
+        }
         S = self.num_slots
-        self.gate = torch.empty((S, I, H), dtype=dtype, device=self.device)  # [S, I, H]
-        self.up = torch.empty((S, I, H), dtype=dtype, device=self.device)  # [S, I, H]
-        self.down = torch.empty((S, H, I), dtype=dtype, device=self.device)  # [S, H, I]
         self._cond = threading.Condition()  # guards everything below, the policy and the counters
         self._table: dict[ExpertKey, _Entry] = {}
         self._free = list(range(S - 1, -1, -1))
@@ -164,7 +170,7 @@ class OffloadedExperts:
         self.lane = PrefetchLane(self.device)
 
     # -- the ExpertProvider protocol ---------------------------------------------------------
-    def waves(self, layer: int, union: list[int]) -> Iterator[ExpertWave]:
+    def waves(self, layer: int, union: list[int]) -> Iterator[Any]:
         """Waves covering `union`: what is resident first, the rest as the lane lands it and slots free up."""
         pending = list(dict.fromkeys(union))
         held: list[_Entry] = []  # pinned by this call, not yet computed
@@ -358,10 +364,10 @@ class OffloadedExperts:
                 self._readers.setdefault(entry.slot, []).append(done)
         self._cond.notify_all()
 
-    def _as_wave(self, entries: list[_Entry]) -> ExpertWave:
+    def _as_wave(self, entries: list[_Entry]) -> Any:
         slot_of_expert = torch.full((self.num_experts,), -1, dtype=torch.int64)  # [E]
         slot_of_expert[[e.key[1] for e in entries]] = torch.tensor([e.slot for e in entries])
-        return ExpertWave(slot_of_expert=slot_of_expert.to(self.device), gate=self.gate, up=self.up, down=self.down)
+        return self.store.wave(slot_of_expert.to(self.device), self.arena)
 
     # -- slots (under the lock) ----------------------------------------------------------------
     def _take_slot(self, *, allow_claimed: bool) -> int | None:
@@ -435,7 +441,7 @@ class OffloadedExperts:
             self._cond.notify_all()
         return True
 
-    def _copy(self, entry: _Entry, host: HostExpert) -> None:
+    def _copy(self, entry: _Entry, host: HostExpert | GptOssHostExpert) -> None:
         slot = entry.slot
         if self.device.type == "cuda":
             with self._cond:
@@ -443,9 +449,8 @@ class OffloadedExperts:
             lane_stream = torch.cuda.current_stream(self.device)
             for done in readers:  # forwards that computed on the slot's previous expert
                 lane_stream.wait_event(done)
-        self.gate[slot].copy_(host.gate, non_blocking=True)
-        self.up[slot].copy_(host.up, non_blocking=True)
-        self.down[slot].copy_(host.down, non_blocking=True)
+        for name, tensor in host.tensors().items():
+            self.arena[name][slot].copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             entry.loaded = torch.cuda.Event()
             entry.loaded.record(torch.cuda.current_stream(self.device))
