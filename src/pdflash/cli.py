@@ -11,6 +11,7 @@ from pathlib import Path
 import attrs
 
 from pdflash.bundled import default_drafter, default_target
+from pdflash.chat.families import FAMILIES
 from pdflash.sampling import SamplingParams
 
 
@@ -228,6 +229,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             default_max_tokens=args.default_max_tokens,
             stats_interval_s=args.stats_interval,
             max_ws_generations=args.max_ws_generations,
+            chat_template=args.chat_template,
+            chat_parser=args.chat_parser,
         )
         engine = AsyncEngine.from_pretrained(
             args.target,
@@ -367,6 +370,20 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--stats-interval", type=float, default=0.5, help="seconds between websocket stats messages (default 0.5)"
+    )
+    serve.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a jinja chat template replacing the checkpoint's (default: the checkpoint's own)",
+    )
+    serve.add_argument(
+        "--chat-parser",
+        default="auto",
+        metavar="FAMILY",
+        help="how chat output is parsed into reasoning_content and tool_calls: auto (from the chat template's "
+        "markers) or a family: " + "; ".join(f"{f.name}: {f.summary}" for f in FAMILIES.values()),
     )
     _add_budget_and_offload_flags(serve)
     serve.add_argument(
