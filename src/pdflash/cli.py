@@ -245,6 +245,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             offload=offload,
             **budgets,
         )
+        app = create_app(engine, settings)  # reads the chat template: a broken one stops here
     except ValueError as exc:
         print(f"pdflash: {exc}", file=sys.stderr)
         return 2
@@ -255,7 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     uvicorn.run(
-        create_app(engine, settings),
+        app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -307,3 +307,18 @@ def test_websocket_chat_starts_take_tools_and_stream_parsed_deltas(served, trans
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Paris", "units": "°C"}
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants the weather; call the tool."
+
+
+def test_serve_rejects_a_bad_chat_template_or_parser_before_serving(capsys, tiny_target, tmp_path):
+    from pdflash.cli import main
+
+    serve = ["serve", "--target", str(tiny_target), "--no-spec"]
+    assert main([*serve, "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "missing.jinja' is not a file" in capsys.readouterr().err
+    assert main([*serve, "--chat-parser", "harmony"]) == 2
+    assert "chat_parser='harmony' is invalid; choose auto or one of ['plain', 'qwen3']" in capsys.readouterr().err
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    assert main([*serve, "--chat-template", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "broken.jinja'" in err and "does not compile" in err

@@ -57,7 +57,10 @@ class ChatSetup:
             if not path.is_file():
                 raise ValueError(f"--chat-template {str(path)!r} is not a file; give the path of a jinja template")
             special = template.special_tokens if template is not None else {}
-            template = ChatTemplate.from_source(path.read_text(encoding="utf-8"), special)
+            try:
+                template = ChatTemplate.from_source(path.read_text(encoding="utf-8"), special)
+            except ValueError as exc:
+                raise ValueError(f"--chat-template {str(path)!r}: {exc}") from None
         return cls(
             template=template,
             family=family_for(parser, template.source if template is not None else None),
