@@ -143,25 +143,18 @@ def test_the_follow_up_with_the_tool_result_renders_as_transformers_renders_it(s
     sampler.say(THINK_THEN_CALL)
     first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER]).choices[0].message
     call = first.tool_calls[0]
+    sent_back = first.model_dump(exclude_none=True)  # what agents send back: reasoning_content included
+    assert sent_back["reasoning_content"] == "The user wants the weather; call the tool."
     follow_up = [
         *QUESTION,
-        {
-            "role": "assistant",
-            "content": first.content,
-            "tool_calls": [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": call.function.arguments},
-                }
-            ],
-        },
+        sent_back,
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 18, "sky": "clear"}'},
     ]
     sampler.say("<think>\nReport it.\n</think>\n\nIt is 18 °C and clear in Paris.")
     answer = client.chat.completions.create(model=MODEL, messages=follow_up, tools=[WEATHER])
     assert prompts[-1] == expected_prompt(transformers_tokenizer, follow_up, [WEATHER])
     assert '<tool_response>\n{"temp_c": 18, "sky": "clear"}\n</tool_response>' in prompts[-1]
+    assert prompts[-2] + THINK_THEN_CALL in prompts[-1]  # the turn renders back to what the model wrote
     message = answer.choices[0].message
     assert (message.content, message.tool_calls, answer.choices[0].finish_reason) == (
         "It is 18 °C and clear in Paris.",
