@@ -28,6 +28,7 @@ WELL_FORMED = {
     "content_then_calls": "<think>\nok\n</think>\n\nChecking both.\n" + CALL_1 + "\n" + CALL_2,
     "empty_think_call": "<think>\n\n</think>\n\n" + CALL_2,
     "plain": "Just text, no tags. 3 < 4 > 2",
+    "tag_in_string": '<think>\n\n</think>\n\n<tool_call>\n{"name": "now", "arguments": {"s": "</tool_call>"}}\n</tool_call>',
 }
 
 
@@ -148,11 +149,11 @@ def test_streamed_arguments_arrive_piece_by_piece_before_the_call_closes():
     assert pieces[-1][0] < len(WELL_FORMED["think_call"]) - len("}\n</tool_call>")  # all sent before the close
 
 
-def test_a_tool_call_tag_inside_a_streamed_argument_string_does_not_end_the_call():
+def test_a_tool_call_tag_inside_an_argument_string_does_not_end_the_call():
     text = '<tool_call>\n{"name": "now", "arguments": {"code": "</tool_call> inside"}}\n</tool_call>after'
-    streamed = run(qwen3_parser(streaming=True), list(text))
-    assert json.loads(streamed.tool_calls[0].arguments) == {"code": "</tool_call> inside"}
-    assert streamed.content == "after"
+    for message in (run(qwen3_parser(streaming=True), list(text)), whole(text)):
+        assert json.loads(message.tool_calls[0].arguments) == {"code": "</tool_call> inside"}
+        assert message.content == "after"
 
 
 def test_a_truncated_streamed_call_keeps_what_was_sent_and_the_whole_response_gives_content():

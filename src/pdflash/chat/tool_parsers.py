@@ -98,13 +98,17 @@ class HermesToolCalls:
     # -- blocks ---------------------------------------------------------------------------
 
     def _block_end(self) -> int:
-        """Where `</tool_call>` starts; for a streaming call only after its arguments closed."""
-        if self._live is None:
-            return self._buf.find(CLOSE)
-        self._live.scan(self._buf)  # so that a `</tool_call>` inside a JSON string is not the end
-        if self._live.end is None:
-            return -1
-        return self._buf.find(CLOSE, self._live.end)
+        """Where the block's `</tool_call>` starts, -1 if not yet: never inside a JSON string.
+
+        A streaming call's close comes after its arguments; another block's after its JSON
+        object once that is complete, else (the JSON is broken or still coming) at the first tag.
+        """
+        if self._live is not None:
+            self._live.scan(self._buf)
+            return -1 if self._live.end is None else self._buf.find(CLOSE, self._live.end)
+        start = len(self._buf) - len(self._buf.lstrip(_SPACE))
+        end = _ValueEnd().advance(self._buf, start) if self._buf[start : start + 1] == "{" else None
+        return self._buf.find(CLOSE, end or 0)
 
     def _close(self, block: str, raw: str) -> tuple[str, list[ToolCallDelta]]:
         if self._live is not None:  # announced: the rest of its arguments, whatever follows them

@@ -2,8 +2,8 @@
 
 Owns the request path from HTTP body to engine stream and back: validation, streamed
 (SSE) and whole responses, and aborting the engine request when the client leaves. Chat
-rendering and output parsing (reasoning, tool calls) are `server.chat`'s. Must not touch engine internals: it calls `engine.generate()` and reads the
-deltas it yields.
+rendering and output parsing (reasoning, tool calls) are `server.chat`'s. Must not touch
+engine internals: it calls `engine.generate()` and reads the deltas it yields.
 """
 
 from __future__ import annotations
