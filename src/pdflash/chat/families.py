@@ -57,6 +57,10 @@ class ChatFamily:
     forcing_prefix: Callable[[str, ToolChoice], str] | None  # (prompt, choice) -> text; None: no tool calls
     summary: str  # one line for --help and the docs
 
+    @property
+    def parses_tool_calls(self) -> bool:
+        return self.forcing_prefix is not None
+
 
 # -- qwen3 ---------------------------------------------------------------------------------------
 
@@ -85,7 +89,7 @@ class ReasoningThenTools:
 
 
 def _qwen3_parser(setup: TurnSetup) -> OutputParser:
-    prompt = setup.prompt.rstrip(" ")
+    prompt = setup.prompt
     if prompt.endswith("</think>\n\n"):
         state = CONTENT  # enable_thinking false: the template closed an empty think block
     elif prompt.rstrip("\n").endswith("<think>"):
@@ -131,7 +135,10 @@ FAMILIES: dict[str, ChatFamily] = {f.name: f for f in (QWEN3, PLAIN)}
 
 
 def register(family: ChatFamily) -> None:
-    """Add a family (auto detection tries families in registration order, `plain` last)."""
+    """Add a family, e.g. gpt-oss harmony: `register(ChatFamily(name="harmony", detect=lambda s:
+    "<|channel|>" in s, new_parser=..., forcing_prefix=..., summary=...))`. Its parser gets
+    token ids with the text (`OutputParser.feed`); auto detection tries families in
+    registration order (`plain` never matches)."""
     FAMILIES[family.name] = family
 
 

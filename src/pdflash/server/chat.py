@@ -269,7 +269,7 @@ def prepare_turn(setup: ChatSetup, request: ChatRequest, *, streaming: bool, par
         )
     choice, family = request.tool_choice, setup.family
     parse_tools_out = request.tools is not None and choice.mode != "none"
-    if parse_tools_out and family.forcing_prefix is None:
+    if parse_tools_out and not family.parses_tool_calls:
         raise invalid(
             f"this server's chat family {family.name!r} has no tool-call parser; "
             "start it with --chat-parser naming a family with one (e.g. qwen3), or send no tools",
@@ -290,7 +290,7 @@ def prepare_turn(setup: ChatSetup, request: ChatRequest, *, streaming: bool, par
         max_calls=None if request.parallel_tool_calls else 1,
         streaming=streaming,
     )
-    prefix = family.forcing_prefix(prompt, choice) if choice.forced and family.forcing_prefix else ""
+    prefix = family.forcing_prefix(prompt, choice) if choice.forced and family.forcing_prefix is not None else ""
     return ChatTurn(prompt, prefix, family.new_parser(turn), setup.end_tokens)
 
 
