@@ -39,6 +39,7 @@ class HermesToolCalls:
         self._in_block = False
         self._space = ""  # trailing whitespace of the content, held until we know what follows
         self._live: _LiveCall | None = None  # the announced call whose arguments are streaming
+        self._object: _ValueEnd | None = None  # the open block's JSON object, once its `{` arrived
         self._buffered = False  # this block cannot be streamed: it is judged once it closes
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -54,12 +55,8 @@ class HermesToolCalls:
                     self._buf = self._buf[len(self._buf) - keep :]
                     break
                 content.append(self._content(self._buf[:start]))
-                self._buf, self._in_block, self._live, self._buffered = (
-                    self._buf[start + len(OPEN) :],
-                    True,
-                    None,
-                    False,
-                )
+                self._buf, self._in_block = self._buf[start + len(OPEN) :], True
+                self._live, self._object, self._buffered = None, None, False
                 continue
             end = self._block_end()
             if end < 0:
@@ -104,10 +101,11 @@ class HermesToolCalls:
         object once that is complete, else (the JSON is broken or still coming) at the first tag.
         """
         if self._live is not None:
-            self._live.scan(self._buf)
-            return -1 if self._live.end is None else self._buf.find(CLOSE, self._live.end)
-        start = len(self._buf) - len(self._buf.lstrip(_SPACE))
-        end = _ValueEnd().advance(self._buf, start) if self._buf[start : start + 1] == "{" else None
+            end = self._live.span.scan(self._buf)
+            return -1 if end is None else self._buf.find(CLOSE, end)
+        if self._object is None and (lead := self._buf.lstrip(_SPACE)).startswith("{"):
+            self._object = _ValueEnd(len(self._buf) - len(lead))
+        end = self._object.scan(self._buf) if self._object is not None else None
         return self._buf.find(CLOSE, end or 0)
 
     def _close(self, block: str, raw: str) -> tuple[str, list[ToolCallDelta]]:
@@ -142,36 +140,36 @@ class HermesToolCalls:
 
 
 class _LiveCall:
-    """An announced call: where its arguments start in the block text and how far they went out."""
+    """An announced call: its arguments' span in the block text and how far it went out."""
 
     def __init__(self, *, index: int, start: int) -> None:
         self.index = index
-        self.sent = start  # block text before this has gone out (the arguments start at `start`)
-        self.scanned = start  # block text before this has gone through the scanner
-        self.end: int | None = None  # just past the arguments' closing `}` once seen
-        self._scanner = _ValueEnd()
-
-    def scan(self, block: str) -> None:
-        if self.end is None:
-            self.end = self._scanner.advance(block, self.scanned)
-            self.scanned = len(block) if self.end is None else self.end
+        self.span = _ValueEnd(start)  # the arguments object, from its `{`
+        self.sent = start  # block text before this has gone out
 
     def arguments(self, block: str) -> list[ToolCallDelta]:
         """The arguments' text that `block` (the block so far) adds, up to their closing `}`."""
-        self.scan(block)
-        piece, self.sent = block[self.sent : self.scanned], self.scanned
+        upto = self.span.scan(block) or len(block)
+        piece, self.sent = block[self.sent : upto], upto
         return [ToolCallDelta(index=self.index, arguments=piece)] if piece else []
 
 
 class _ValueEnd:
-    """Finds where one JSON object or array ends (brackets outside strings), fed in pieces."""
+    """Where one JSON object or array that opens at `start` ends (brackets outside strings).
 
-    def __init__(self) -> None:
+    Incremental: each `scan` of the growing text goes on from where the last one stopped.
+    """
+
+    def __init__(self, start: int) -> None:
+        self.scanned = start  # text before this has been read
+        self.end: int | None = None  # just past the closing bracket, once seen
         self.depth, self.in_string, self.escaped = 0, False, False
 
-    def advance(self, text: str, start: int) -> int | None:
-        """Scan text[start:]; the index just past the value's end, or None if it goes on."""
-        for i in range(start, len(text)):
+    def scan(self, text: str) -> int | None:
+        """The index just past the value's end, or None if it goes on past `text`."""
+        if self.end is not None:
+            return self.end
+        for i in range(self.scanned, len(text)):
             c = text[i]
             if self.in_string:
                 if self.escaped:
@@ -187,7 +185,9 @@ class _ValueEnd:
             elif c in "}]":
                 self.depth -= 1
                 if self.depth == 0:
-                    return i + 1
+                    self.end = self.scanned = i + 1
+                    return self.end
+        self.scanned = len(text)
         return None
 
 
@@ -262,7 +262,7 @@ def parse_call(block: str) -> tuple[str, str] | None:
         return None
     head = scan_head(block)
     if isinstance(head, tuple) and block[head[1]] == "{":
-        end = _ValueEnd().advance(block, head[1])
+        end = _ValueEnd(head[1]).scan(block)
         if end is not None and _loads(block[head[1] : end]) == arguments:
             return call["name"], block[head[1] : end]
     return call["name"], json.dumps(arguments, ensure_ascii=False)
