@@ -315,3 +315,19 @@ def test_serve_rejects_a_bad_chat_template_or_parser_before_serving(capsys, tiny
     assert main([*serve, "--chat-template", str(broken)]) == 2
     err = capsys.readouterr().err
     assert "broken.jinja'" in err and "does not compile" in err
+
+
+def test_websocket_chat_fields_are_checked_like_the_http_ones(served):
+    server, _, _ = served
+    bad = [
+        ({"prompt": "hi", "tools": [WEATHER]}, "invalid_message", "tools"),
+        ({"messages": QUESTION, "tool_choice": "required"}, "invalid_request", "tool_choice"),
+        ({"messages": QUESTION, "chat_template_kwargs": 1}, "invalid_request", "chat_template_kwargs"),
+    ]
+    with connect(server.ws_url) as ws:
+        for i, (fields, code, param) in enumerate(bad):
+            ws.send(json.dumps({"type": "start", "id": i, **fields}))
+            msg = json.loads(ws.recv())
+            while msg["type"] == "stats":
+                msg = json.loads(ws.recv())
+            assert (msg["type"], msg["id"], msg["code"], msg["param"]) == ("error", i, code, param)
