@@ -128,7 +128,7 @@ def test_without_tools_nothing_is_parsed_as_a_call():
     assert message.tool_calls == () and message.content == CALL_1 and message.reasoning == "Need weather."
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(name=st.sampled_from(sorted(WELL_FORMED)), cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12))
 def test_any_chunking_of_a_stream_assembles_to_the_whole_response(name, cuts):
     text = WELL_FORMED[name]
@@ -231,3 +231,36 @@ def test_families_are_picked_from_the_template_or_by_name():
     assert family_for("plain", QWEN3_TEMPLATE) is PLAIN
     with pytest.raises(ValueError, match="'harmony' is not a chat family; choose auto or one of"):
         family_for("harmony", None)
+
+
+FRAGMENTS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_",
+    "\n",
+    " ",
+    '{"name": ',
+    '"now"',
+    '"get_weather"',
+    ", ",
+    '"arguments": ',
+]
+FRAGMENTS += ["{", "}", "[", "]", '"', "\\", ":", "1", "x", "é", "<think>", "</think>", '{"a": 1}', "null"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(FRAGMENTS), max_size=40),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8),
+)
+def test_any_text_parses_without_error_and_text_without_calls_comes_back_whole(pieces, cuts):
+    text = "".join(pieces)
+    prompt = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # thinking off: the whole turn is the answer
+    message = whole(text, prompt=prompt)
+    if not message.tool_calls:
+        assert message.content == text
+    for call in message.tool_calls:
+        assert call.name in NAMES and isinstance(json.loads(call.arguments), dict)
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    run(qwen3_parser(streaming=True, prompt=prompt), chunks)  # streaming never raises either

@@ -58,10 +58,10 @@ class HermesToolCalls:
                 self._buf, self._in_block = self._buf[start + len(OPEN) :], True
                 self._live, self._object, self._buffered = None, None, False
                 continue
+            if self.streaming:
+                calls += self._stream()  # announce the call, send its arguments so far
             end = self._block_end()
             if end < 0:
-                if self.streaming:
-                    calls += self._stream()
                 break
             block, self._buf, self._in_block = self._buf[:end], self._buf[end + len(CLOSE) :], False
             got_content, got_calls = self._close(block, f"{OPEN}{block}{CLOSE}")
@@ -71,13 +71,13 @@ class HermesToolCalls:
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """An unclosed block is judged as it stands (a streamed call keeps the arguments sent)."""
-        if not self._in_block:
-            rest, self._buf = self._buf, ""
-            tail = self._content(rest) + ("" if self.calls else self._space)
-            self._space = ""
-            return tail, []
-        block, self._buf, self._in_block = self._buf, "", False
-        return self._close(block, OPEN + block)
+        if self._in_block:
+            block, self._in_block = self._buf, False
+            content, calls = self._close(block, OPEN + block)
+        else:
+            content, calls = self._content(self._buf), []
+        held, self._buf, self._space = self._space, "", ""
+        return content + ("" if self.calls else held), calls  # trailing space only separated calls
 
     # -- content --------------------------------------------------------------------------
 
