@@ -155,6 +155,11 @@ def test_the_follow_up_with_the_tool_result_renders_as_transformers_renders_it(s
     assert prompts[-1] == expected_prompt(transformers_tokenizer, follow_up, [WEATHER])
     assert '<tool_response>\n{"temp_c": 18, "sky": "clear"}\n</tool_response>' in prompts[-1]
     assert prompts[-2] + THINK_THEN_CALL in prompts[-1]  # the turn renders back to what the model wrote
+    hf_ids = transformers_tokenizer.apply_chat_template(
+        follow_up, tools=[WEATHER], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert sampler.tokenizer.encode(prompts[-1]) == list(hf_ids)  # the engine's ids are transformers' ids
+    assert answer.usage.prompt_tokens == len(hf_ids)
     message = answer.choices[0].message
     assert (message.content, message.tool_calls, answer.choices[0].finish_reason) == (
         "It is 18 °C and clear in Paris.",
