@@ -198,5 +198,7 @@ def test_bad_requests_to_render_name_the_problem():
     template = ChatTemplate.from_source("{{ messages[0].content }}")
     with pytest.raises(ChatTemplateError, match="empty conversation"):
         template.render([])
+    with pytest.raises(ChatTemplateError, match="failed on this input: TypeError"):
+        ChatTemplate.from_source("{{ messages[0].content + 1 }}").render([{"role": "user", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="no default"):
         ChatTemplate(templates={"a": "A", "b": "B"}).render([{"role": "user", "content": "x"}])

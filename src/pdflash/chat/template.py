@@ -100,6 +100,8 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as exc:  # the template's own code
+            raise ChatTemplateError(f"the template failed on this input: {type(exc).__name__}: {exc}") from None
 
     def _default_name(self) -> str:
         if "default" in self._compiled:
