@@ -336,3 +336,19 @@ def test_websocket_chat_fields_are_checked_like_the_http_ones(served):
             while msg["type"] == "stats":
                 msg = json.loads(ws.recv())
             assert (msg["type"], msg["id"], msg["code"], msg["param"]) == ("error", i, code, param)
+
+
+def test_messages_reach_the_template_as_transformers_passes_them(transformers_tokenizer):
+    """Null content is left out (not ""), text parts are joined, tool-call fields pass through."""
+    template = "{% for m in messages %}[{{ m.content is defined }}|{{ m.content }}|{{ m.get('tool_calls') | tojson }}]{% endfor %}"
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather "}, {"type": "text", "text": "in Oslo?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"},
+    ]
+    ours = ChatTemplate.from_source(template).render(parse_chat_request({"messages": messages}).messages)
+    joined = [{**messages[0], "content": "Weather in Oslo?"}, *messages[1:]]
+    assert ours == transformers_tokenizer.apply_chat_template(
+        joined, chat_template=template, tokenize=False, add_generation_prompt=True
+    )

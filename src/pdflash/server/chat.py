@@ -116,7 +116,9 @@ def _message(message: Any, i: int) -> dict[str, Any]:
             f"messages[{i}] must be an object with a role in {list(CHAT_ROLES)}, got {json.dumps(message)[:200]}",
             param=f"messages[{i}].role",
         )
-    out: dict[str, Any] = {"role": message["role"], "content": _content(message.get("content"), i)}
+    out: dict[str, Any] = {"role": message["role"]}
+    if message.get("content") is not None:  # a null content is left out, as transformers leaves it out
+        out["content"] = _content(message["content"], i)
     for name in MESSAGE_TEXT_FIELDS:
         if message.get(name) is not None:
             if not isinstance(message[name], str):
@@ -163,8 +165,6 @@ def _tool_call(call: Any, i: int, j: int) -> dict[str, Any]:
 
 def _content(content: Any, i: int) -> str:
     """A message's content as text: a string, or an array of {"type": "text", "text": ...} parts joined."""
-    if content is None:
-        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
