@@ -11,6 +11,7 @@ from pathlib import Path
 import attrs
 
 from pdflash.bundled import default_drafter, default_target
+from pdflash.chat.families import FAMILIES
 from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams
 
@@ -229,6 +230,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             default_max_tokens=args.default_max_tokens,
             stats_interval_s=args.stats_interval,
             max_ws_generations=args.max_ws_generations,
+            chat_template=args.chat_template,
+            chat_parser=args.chat_parser,
         )
         engine = AsyncEngine.from_pretrained(
             args.target,
@@ -243,6 +246,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             offload=offload,
             **budgets,
         )
+        app = create_app(engine, settings)  # reads the chat template: a broken one stops here
     except ValueError as exc:
         print(f"pdflash: {exc}", file=sys.stderr)
         return 2
@@ -253,7 +257,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     uvicorn.run(
-        create_app(engine, settings),
+        app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -373,6 +377,20 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--stats-interval", type=float, default=0.5, help="seconds between websocket stats messages (default 0.5)"
+    )
+    serve.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a jinja chat template replacing the checkpoint's (default: the checkpoint's own)",
+    )
+    serve.add_argument(
+        "--chat-parser",
+        default="auto",
+        metavar="FAMILY",
+        help="how chat output is parsed into reasoning_content and tool_calls: auto (from the chat template's "
+        "markers) or a family: " + "; ".join(f"{f.name}: {f.summary}" for f in FAMILIES.values()),
     )
     _add_budget_and_offload_flags(serve)
     serve.add_argument(

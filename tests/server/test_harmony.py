@@ -11,9 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pdflash.chat.families import HARMONY
+from pdflash.chat.harmony import ChannelSplitter, speaks_harmony, split_channels
 from pdflash.engine.outputs import RequestMetrics, RequestOutput
+from pdflash.server.chat import ChatSetup, ChatTurn
 from pdflash.server.completions import _Reply
-from pdflash.server.harmony import ChannelSplitter, speaks_harmony, split_channels
 from pdflash.server.metrics import ServerMetrics, StatsBoard
 from pdflash.server.state import ServerSettings, ServerState
 from pdflash.target.tiny import write_tiny_target
@@ -105,14 +107,18 @@ def tokenizer(tmp_path_factory):
 
 
 def reply_for(engine):
+    chat = ChatSetup.create(engine.tokenizer)
+    assert chat.family is HARMONY  # found from the template's markers
     state = ServerState(
         engine=engine,
         settings=ServerSettings(model_name="tiny"),
         metrics=ServerMetrics(engine),
         board=StatsBoard(engine, ServerMetrics(engine), "tiny", 1.0),
         started=0,
+        chat=chat,
     )
-    return _Reply(state, "r", 0, chat=True)
+    turn = ChatTurn("", "", chat.family.new_parser(None), chat.end_tokens)
+    return _Reply(state, "r", 0, chat=True, turn=turn)
 
 
 @pytest.mark.anyio
@@ -148,7 +154,7 @@ def test_served_gpt_oss_chat_is_the_split_of_its_raw_completion(tmp_path):
 
     directory = write_tiny_gpt_oss(tmp_path / "g", seed=7)  # its greedy reply holds a <|message|> body
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    prompt = TextTokenizer(directory, TINY_GPT_OSS_CONFIG["vocab_size"]).apply_chat_template(messages)
+    prompt = TextTokenizer(directory, TINY_GPT_OSS_CONFIG["vocab_size"]).chat_template.render(messages)
     request = {"model": "tiny", "max_tokens": 48, "temperature": 0}
     engine = AsyncEngine.from_pretrained(directory, None, max_num_seqs=2)
     with BackgroundServer(create_app(engine, ServerSettings(model_name="tiny"))) as server:
@@ -158,7 +164,7 @@ def test_served_gpt_oss_chat_is_the_split_of_its_raw_completion(tmp_path):
             streamed = http.post("/v1/chat/completions", json=request | {"messages": messages, "stream": True})
     message = whole["choices"][0]["message"]
     content, reasoning = split_channels(raw)
-    assert (message["content"], message["reasoning_content"]) == (content, reasoning)
+    assert (message["content"], message.get("reasoning_content", "")) == (content, reasoning)
     deltas = [
         json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
         for line in streamed.text.splitlines()

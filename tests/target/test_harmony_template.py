@@ -35,11 +35,11 @@ def test_template_renders_as_transformers(directory, name, add_generation_prompt
     messages = CONVERSATIONS[name]
     expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     ours = TextTokenizer(directory, TINY_GPT_OSS_CONFIG["vocab_size"])
-    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    assert ours.chat_template.render(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
 def test_system_prompt_becomes_developer_instructions(directory):
-    text = TextTokenizer(directory, TINY_GPT_OSS_CONFIG["vocab_size"]).apply_chat_template(
+    text = TextTokenizer(directory, TINY_GPT_OSS_CONFIG["vocab_size"]).chat_template.render(
         CONVERSATIONS["system_multi_turn"]
     )
     assert text.startswith("<|start|>system<|message|>You are ChatGPT")
@@ -51,4 +51,4 @@ def test_system_prompt_becomes_developer_instructions(directory):
 def test_unknown_role_is_rejected_naming_it(directory):
     tokenizer = TextTokenizer(directory, TINY_GPT_OSS_CONFIG["vocab_size"])
     with pytest.raises(ValueError, match="got tool"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])
+        tokenizer.chat_template.render([{"role": "tool", "content": "x"}])

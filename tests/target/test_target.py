@@ -204,6 +204,6 @@ def test_prompt_over_context_limit_is_rejected(tmp_path):
 
 def test_chat_template_renders(tiny_target):
     tok = load_target(tiny_target).tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    text = tok.chat_template.render([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(tok.encode("def fib(n):")) == "def fib(n):"

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from pdflash.server import protocol
+from pdflash.server.chat import ChatSetup
 from pdflash.server.completions import CompletionRoutes
 from pdflash.server.errors import SERVER_ERROR, APIError
 from pdflash.server.metrics import ServerMetrics, StatsBoard, endpoint_label
@@ -46,6 +47,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
         metrics=metrics,
         started=protocol.now(),
         board=StatsBoard(engine, metrics, settings.model_name, settings.stats_interval_s),
+        chat=ChatSetup.create(engine.tokenizer, template_file=settings.chat_template, parser=settings.chat_parser),
     )
     completions = CompletionRoutes(state)
 

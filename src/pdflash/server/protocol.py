@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from pdflash.sampling import SamplingParams
+from pdflash.server import chat as _chat
 from pdflash.server.errors import APIError, invalid
 
 # SamplingParams field -> the JSON type it takes on the wire ("number" excludes booleans)
@@ -43,8 +44,7 @@ NO_OP_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", *SAMPLING_TYPES, *NO_OP_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_FIELDS = COMMON_FIELDS | _chat.CHAT_FIELDS | {"max_completion_tokens"}
 
 
 @attrs.frozen(kw_only=True)
@@ -53,7 +53,7 @@ class CompletionRequest:
 
     model: str | None  # the name the client asked for (None: the served model)
     prompt: str | list[int] | None  # completions: text or token ids
-    messages: list[dict[str, str]] | None  # chat: role/content pairs, content flattened to text
+    chat: _chat.ChatRequest | None  # chat: messages, tools, tool_choice, chat_template_kwargs
     params: SamplingParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage and no choices
@@ -144,7 +144,7 @@ def parse_completion_request(body: Any, *, chat: bool, default_max_tokens: int) 
     return CompletionRequest(
         model=model,
         prompt=None if chat else parse_prompt(body.get("prompt")),
-        messages=parse_messages(body.get("messages")) if chat else None,
+        chat=_chat.parse_chat_request(body) if chat else None,
         params=params,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
@@ -162,39 +162,6 @@ def parse_prompt(value: Any) -> str | list[int]:
         "prompt must be a non-empty string or a non-empty array of token ids (one prompt per request), "
         f"got {json.dumps(value)[:200]}",
         param="prompt",
-    )
-
-
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise invalid(
-            f"messages must be a non-empty array of {{role, content}} objects, got {json.dumps(value)[:200]}",
-            param="messages",
-        )
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise invalid(
-                f"messages[{i}] must be an object with a role in {list(CHAT_ROLES)}, got {json.dumps(message)[:200]}",
-                param=f"messages[{i}].role",
-            )
-        out.append({"role": message["role"], "content": _content(message.get("content"), i)})
-    return out
-
-
-def _content(content: Any, i: int) -> str:
-    """A message's content as text: a string, or an array of {"type": "text", "text": ...} parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise invalid(
-        f"messages[{i}].content must be a string or an array of text parts, got {json.dumps(content)[:200]}",
-        param=f"messages[{i}].content",
     )
 
 
@@ -233,14 +200,12 @@ def completion_body(
     reason: str | None,
     usage_: dict[str, int],
     metrics: dict[str, Any],
-    reasoning: str | None = None,
+    message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole (non-streamed) response; `reasoning` (chat) is the message's `reasoning_content`."""
+    """The whole (non-streamed) response; chat's `message` (server.chat.message_body) replaces plain text."""
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
     if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-        if reasoning is not None:
-            choice["message"]["reasoning_content"] = reasoning
+        choice["message"] = message or {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     return {
@@ -264,17 +229,20 @@ def chunk_body(
     reason: str | None,
     first: bool = False,
     metrics: dict[str, Any] | None = None,
-    reasoning: str | None = None,
+    delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk; `first` (chat) carries the assistant role; `metrics` only on the last."""
+    """One streamed chunk; `first` (chat) carries the assistant role; `metrics` only on the last.
+
+    Chat's parsed `delta` (server.chat.delta_body) replaces plain `text`.
+    """
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
     if chat:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text is not None:
-            delta["content"] = text
-        if reasoning is not None:
-            delta["reasoning_content"] = reasoning
-        choice["delta"] = delta
+        fields: dict[str, Any] = {"role": "assistant"} if first else {}
+        if delta is not None:
+            fields |= delta
+        elif text is not None:
+            fields["content"] = text
+        choice["delta"] = fields
     else:
         choice["text"] = text or ""
     body = {

@@ -6,12 +6,15 @@ once. Must not hold per-request state: that lives in each route's request handli
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anyio
 import attrs
 
+from pdflash.chat.families import FAMILIES
 from pdflash.checks import at_least
+from pdflash.server.chat import ChatSetup
 from pdflash.server.metrics import ServerMetrics, StatsBoard
 
 
@@ -23,10 +26,16 @@ class ServerSettings:
         default=0.5, validator=at_least(0.05, integer=False)
     )  # websocket stats period
     max_ws_generations: int = attrs.field(default=32, validator=at_least(1, integer=True))  # concurrent ones per socket
+    chat_template: Path | None = None  # a jinja file replacing the checkpoint's chat template
+    chat_parser: str = "auto"  # chat family of the output parser (pdflash.chat.families), or auto
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name={self.model_name!r} is invalid: it must be a non-empty string")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template={str(self.chat_template)!r} is not a file; give a jinja template's path")
+        if self.chat_parser != "auto" and self.chat_parser not in FAMILIES:
+            raise ValueError(f"chat_parser={self.chat_parser!r} is invalid; choose auto or one of {sorted(FAMILIES)}")
 
 
 @attrs.define(eq=False)
@@ -36,6 +45,7 @@ class ServerState:
     metrics: ServerMetrics
     board: StatsBoard
     started: int  # unix time the app was created (the model card's `created`)
+    chat: ChatSetup  # the chat template and output parser family chat requests use
 
     async def release(self, request_id: str) -> None:
         """Make sure an engine request is gone: abort it if still live, waiting (shielded) for its release.

@@ -21,15 +21,16 @@ import anyio
 import anyio.abc
 from starlette.websockets import WebSocket
 
+from pdflash.chat.deltas import EMPTY
 from pdflash.server import protocol
-from pdflash.server.completions import chat_prompt
+from pdflash.server.chat import CHAT_FIELDS, ChatTurn, delta_body, parse_chat_request, prepare_turn
 from pdflash.server.errors import APIError, from_engine_error, invalid
 from pdflash.server.metrics import RequestTracker
 from pdflash.server.state import ServerState
 
 log = logging.getLogger(__name__)
 OUTBOX = 256  # messages queued for the writer; generations wait (their engine mailbox merges) when full
-START_FIELDS = {"type", "id", "prompt", "messages", "params"}
+START_FIELDS = {"type", "id", "prompt", "params"} | CHAT_FIELDS
 _connections = itertools.count()
 
 
@@ -120,7 +121,7 @@ class WebSocketSession:
                 f"(max {self.state.settings.max_ws_generations}); wait for one to finish",
                 code="too_many_generations",
             )
-        prompt = self._prompt(msg)
+        prompt, turn = self._prompt(msg)
         params = msg.get("params") or {}
         if not isinstance(params, dict):
             raise invalid(
@@ -147,9 +148,9 @@ class WebSocketSession:
             raise from_engine_error(error, param_of=param_of) from None
         scope = anyio.CancelScope()
         self.running[key] = scope
-        self.tasks.start_soon(self._generate, gen_id, key, request_id, stream, scope)
+        self.tasks.start_soon(self._generate, gen_id, key, request_id, stream, scope, turn)
 
-    def _prompt(self, msg: dict[str, Any]) -> str | list[int]:
+    def _prompt(self, msg: dict[str, Any]) -> tuple[str | list[int], ChatTurn | None]:
         if ("prompt" in msg) == ("messages" in msg):
             raise invalid(
                 'a start message needs exactly one of "prompt" (text or token ids) or "messages"',
@@ -157,8 +158,16 @@ class WebSocketSession:
                 code="invalid_message",
             )
         if "messages" in msg:
-            return chat_prompt(self.state, protocol.parse_messages(msg["messages"]))
-        return protocol.parse_prompt(msg["prompt"])
+            turn = prepare_turn(self.state.chat, parse_chat_request(msg), streaming=True)
+            return turn.prompt, turn
+        chat_only = sorted(set(msg) & (CHAT_FIELDS - {"messages"}))
+        if chat_only:
+            raise invalid(
+                f"{chat_only[0]!r} goes with chat messages; a start message with a plain prompt cannot have it",
+                param=chat_only[0],
+                code="invalid_message",
+            )
+        return protocol.parse_prompt(msg["prompt"]), None
 
     def _cancel(self, msg: dict[str, Any]) -> None:
         gen_id, key = _client_id(msg)
@@ -171,14 +180,21 @@ class WebSocketSession:
 
     # -- generations ----------------------------------------------------------------------
 
-    async def _generate(self, gen_id: Any, key: str, request_id: str, stream, scope: anyio.CancelScope) -> None:
+    async def _generate(
+        self, gen_id: Any, key: str, request_id: str, stream, scope: anyio.CancelScope, turn: ChatTurn | None
+    ) -> None:
         tracker, out, failure = RequestTracker(self.state.metrics), None, None
+        parsed = turn.start() if turn is not None else EMPTY  # a forced tool-call start goes out with the first
         try:
             with scope:
                 async with aclosing(stream):
                     async for out in stream:
                         delta = tracker.update(out)
-                        if out.token_ids or out.text:
+                        if turn is not None:
+                            parsed += turn.feed(out) + (turn.finish() if out.finished else EMPTY)
+                        if out.token_ids or out.text or not parsed.empty:
+                            chat = {"delta": delta_body(parsed)} if turn is not None else {}
+                            parsed = EMPTY
                             await self._post(
                                 {
                                     "type": "delta",
@@ -192,6 +208,7 @@ class WebSocketSession:
                                     "expert_bytes": delta.expert_bytes,
                                     "fetch_bytes": delta.fetch_bytes,
                                     "generated_tokens": tracker.tokens,
+                                    **chat,
                                 }
                             )
         except Exception as error:  # this request failed in the engine
@@ -212,6 +229,7 @@ class WebSocketSession:
             )
             return
         reason = out.finish_reason if out is not None and out.finished else "abort"
+        reason = turn.finish_reason(reason) if turn is not None else reason
         self.state.metrics.ws_generations.labels(outcome=reason).inc()
         metrics = tracker.summary(out) if out is not None else {"generated_tokens": 0}
         await self._post({"type": "done", "id": gen_id, "finish_reason": reason, "metrics": metrics})

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import attrs
 
+from pdflash.chat.deltas import ChatDelta
+
 MESSAGE, CHANNEL = "<|message|>", "<|channel|>"
 MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 MARKER_MAX_CHARS = 16  # longer than any harmony marker ("<|constrain|>" is 13)
@@ -113,3 +115,23 @@ def _merged(pieces: list[ChannelDelta]) -> list[ChannelDelta]:
         else:
             merged.append(piece)
     return merged
+
+
+class HarmonyChannels:
+    """The chat OutputParser of the harmony family: `analysis` text is reasoning, the rest content."""
+
+    def __init__(self) -> None:
+        self._splitter = ChannelSplitter()
+
+    def feed(self, text: str, token_ids: object = ()) -> ChatDelta:
+        return _as_delta(self._splitter.feed(text))
+
+    def finish(self) -> ChatDelta:
+        return _as_delta(self._splitter.finish())
+
+
+def _as_delta(pieces: list[ChannelDelta]) -> ChatDelta:
+    return ChatDelta(
+        reasoning="".join(p.text for p in pieces if p.reasoning),
+        content="".join(p.text for p in pieces if not p.reasoning),
+    )
