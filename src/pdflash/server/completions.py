@@ -1,26 +1,32 @@
 """The OpenAI-compatible endpoints: POST /v1/completions and /v1/chat/completions.
 
 Owns the request path from HTTP body to engine stream and back: validation, the chat
-template, streamed (SSE) and whole responses, and aborting the engine request when the
-client leaves. Must not touch engine internals: it calls `engine.generate()` and reads the
-deltas it yields.
+template, streamed (SSE) and whole responses, `n` choices (one engine request each),
+logprobs, and aborting the engine requests when the client leaves. Must not touch engine
+internals: it calls `engine.generate()` and reads the deltas it yields.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import attrs
 import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdflash.engine.outputs import RequestOutput
+from pdflash.sampling import SEED_RANGE, SamplingParams, TokenLogprob
 from pdflash.server import protocol
 from pdflash.server.errors import SERVER_ERROR, APIError, from_engine_error, invalid
+from pdflash.server.limits import off_loop, read_json
+from pdflash.server.logprobs import chat_logprobs, completion_logprobs
 from pdflash.server.metrics import RequestTracker
+from pdflash.server.prompts import encode, fit_context, request_defaults, shutting_down
 from pdflash.server.sse import DONE, EventStreamResponse, event, unless_disconnected
 from pdflash.server.state import ServerState
 
@@ -40,32 +46,52 @@ class CompletionRoutes:
 
     async def _handle(self, request: Request, *, chat: bool) -> Response:
         state = self.state
-        body = protocol.parse_json(await request.body())
-        req = protocol.parse_completion_request(body, chat=chat, default_max_tokens=state.settings.default_max_tokens)
+        if state.streams.draining:
+            raise shutting_down()
+        body = await read_json(request, state.settings.limits)
+        req = protocol.parse_completion_request(body, chat=chat, defaults=request_defaults(state))
         protocol.check_model(req.model, state.settings.model_name)
-        prompt = chat_prompt(state, req.messages) if chat else req.prompt
+        names = {"prompt": "messages" if chat else "prompt"}
+        if chat and body.get("max_completion_tokens") is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        if chat:
+            size = sum(len(m["content"]) for m in req.messages)
+            prompt = await off_loop(size, lambda: chat_prompt(state, req.messages))
+        else:
+            prompt = req.prompt
+        prompt_ids = await encode(state, prompt, param=names["prompt"])
+        params = fit_context(state, len(prompt_ids), req.params, max_tokens_given=req.max_tokens_given, names=names)
         request_id = protocol.new_id(chat)
+        ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
+        streams = []
         try:
-            stream = state.engine.generate(prompt, req.params, request_id=request_id)
+            for i, rid in enumerate(ids):
+                streams.append(state.engine.generate(prompt_ids, _choice_params(params, i), request_id=rid))
+                state.streams.open(rid)
         except Exception as error:
-            wire = {"max_tokens": "max_completion_tokens"} if chat and body.get("max_completion_tokens") else {}
-            raise from_engine_error(
-                error,
-                param_of={
-                    **{f: f for f in protocol.SAMPLING_TYPES},
-                    **wire,
-                    "prompt": "messages" if chat else "prompt",
-                },
-            ) from None
-        reply = _Reply(state, request_id, protocol.now(), chat=chat)
+            for rid in ids:
+                await state.release(rid)
+                state.streams.close(rid)
+            param_of = {**{f: f for f in protocol.SAMPLING_TYPES}, **names}
+            raise from_engine_error(error, param_of=param_of) from None
+        reply = _Reply(state, request_id, protocol.now(), chat=chat, ids=ids, logprobs=params.logprobs is not None)
         if req.stream:
-            return EventStreamResponse(
-                reply.events(stream, include_usage=req.include_usage), on_close=lambda: state.release(request_id)
-            )
-        body = await unless_disconnected(request.receive, lambda: reply.whole(stream))
-        if body is None:
-            return Response(status_code=CLIENT_CLOSED)  # the engine request was aborted when `whole` was cancelled
-        return JSONResponse(body)
+            return EventStreamResponse(reply.events(streams, include_usage=req.include_usage), on_close=reply.release)
+        try:
+            whole = await unless_disconnected(request.receive, lambda: reply.whole(streams))
+        finally:
+            await reply.release()
+        if whole is None:
+            return Response(status_code=CLIENT_CLOSED)  # the engine requests were aborted when `whole` was cancelled
+        return JSONResponse(whole)
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of a seeded request samples with seed + index (so n choices differ, reproducibly)."""
+    if index == 0 or params.seed is None:
+        return params
+    low, high = SEED_RANGE
+    return attrs.evolve(params, seed=(params.seed + index - low) % (high - low + 1) + low)
 
 
 def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> str:
@@ -83,56 +109,91 @@ def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> str:
 
 
 class _Reply:
-    """Turns one request's engine stream into an OpenAI response (whole or streamed chunks)."""
+    """Turns one request's engine streams (one per choice) into an OpenAI response, whole or streamed."""
 
-    def __init__(self, state: ServerState, request_id: str, created: int, *, chat: bool) -> None:
-        self.state, self.request_id, self.created, self.chat = state, request_id, created, chat
+    def __init__(
+        self, state: ServerState, request_id: str, created: int, *, chat: bool, ids: list[str], logprobs: bool
+    ) -> None:
+        self.state, self.request_id, self.created, self.chat, self.ids = state, request_id, created, chat, ids
+        self.logprobs = logprobs  # the client asked for logprobs
         self.model = state.settings.model_name
-        self.tracker = RequestTracker(state.metrics)
+        self.trackers = [RequestTracker(state.metrics) for _ in ids]  # one per choice
+        self.offsets = [0] * len(ids)  # completions logprobs: text already sent per choice
 
-    async def whole(self, stream: AsyncIterator[RequestOutput]) -> dict[str, Any]:
-        text, out = [], None
-        try:
-            async with aclosing(stream):
-                async for out in stream:
-                    self.tracker.update(out)
-                    text.append(out.text)
-        except Exception as error:
-            log.error("request %s failed: %r", self.request_id, error)
-            raise APIError(500, f"generation failed: {error}", type=SERVER_ERROR) from None
-        finally:
-            await self.state.release(self.request_id)
-        m = out.metrics
+    async def release(self) -> None:
+        """Abort whatever is still live and stop counting these streams for shutdown."""
+        for rid in self.ids:
+            await self.state.release(rid)
+            self.state.streams.close(rid)
+
+    def _logprobs(self, index: int, items: tuple[TokenLogprob, ...], text: str) -> dict | None:
+        if not self.logprobs:
+            return None
+        tokenizer = self.state.engine.tokenizer
+        if self.chat:
+            return chat_logprobs(items, tokenizer)
+        wire = completion_logprobs(items, tokenizer, self.offsets[index])
+        self.offsets[index] += len(text)
+        return wire
+
+    async def whole(self, streams: list[AsyncIterator[RequestOutput]]) -> dict[str, Any]:
+        choices, prompt_tokens, completion_tokens, summary = [], 0, 0, {}
+        for index, stream in enumerate(streams):
+            text, logprobs, out, tracker = [], [], None, self.trackers[index]
+            try:
+                async with aclosing(stream):
+                    async for out in stream:
+                        tracker.update(out)
+                        text.append(out.text)
+                        logprobs += out.logprobs
+            except Exception as error:
+                log.error("request %s failed: %r", self.ids[index], error)
+                raise APIError(500, f"generation failed: {error}", type=SERVER_ERROR) from None
+            wire = self._logprobs(index, tuple(logprobs), "".join(text))
+            choices.append(
+                protocol.whole_choice(
+                    index, chat=self.chat, text="".join(text), reason=out.finish_reason, logprobs=wire
+                )
+            )
+            prompt_tokens = out.metrics.prompt_tokens
+            completion_tokens += out.metrics.generated_tokens
+            summary = summary or tracker.summary(out)
         return protocol.completion_body(
             self.request_id,
             self.model,
             self.created,
             chat=self.chat,
-            text="".join(text),
-            reason=out.finish_reason,
-            usage_=protocol.usage(m.prompt_tokens, m.generated_tokens),
-            metrics=self.tracker.summary(out),
+            choices=choices,
+            usage_=protocol.usage(prompt_tokens, completion_tokens),
+            metrics=summary,  # choice 0's
         )
 
-    async def events(self, stream: AsyncIterator[RequestOutput], *, include_usage: bool) -> AsyncGenerator[str, None]:
-        chunk = self._chunk
-        async with aclosing(stream):
-            if self.chat:
-                yield event(chunk(text="", reason=None, first=True))
-            try:
-                async for out in stream:
-                    self.tracker.update(out)
-                    if out.text:
-                        yield event(chunk(text=out.text, reason=None))
-                    if out.finished:
-                        yield event(chunk(text=None, reason=out.finish_reason, metrics=self.tracker.summary(out)))
-            except Exception as error:  # this request failed in the engine: tell the client, end the stream
-                log.error("request %s failed: %r", self.request_id, error)
-                yield event(APIError(500, f"generation failed: {error}", type=SERVER_ERROR).body())
-                yield DONE
-                return
+    async def events(
+        self, streams: list[AsyncIterator[RequestOutput]], *, include_usage: bool
+    ) -> AsyncGenerator[str, None]:
+        """Chunks of every choice (choice i after choice i-1: all of them generate concurrently), then [DONE]."""
+        out = None
+        for index, stream in enumerate(streams):
+            chunk = functools.partial(self._chunk, index=index)
+            tracker = self.trackers[index]
+            async with aclosing(stream):
+                if self.chat:
+                    yield event(chunk(text="", reason=None, first=True))
+                try:
+                    async for out in stream:
+                        tracker.update(out)
+                        if out.text or out.logprobs:
+                            wire = self._logprobs(index, out.logprobs, out.text)
+                            yield event(chunk(text=out.text, reason=None, logprobs=wire))
+                        if out.finished:
+                            yield event(chunk(text=None, reason=out.finish_reason, metrics=tracker.summary(out)))
+                except Exception as error:  # this request failed in the engine: tell the client, end the stream
+                    log.error("request %s failed: %r", self.ids[index], error)
+                    yield event(APIError(500, f"generation failed: {error}", type=SERVER_ERROR).body())
+                    yield DONE
+                    return
         if include_usage:
-            usage = protocol.usage(out.metrics.prompt_tokens, self.tracker.tokens)
+            usage = protocol.usage(out.metrics.prompt_tokens, sum(t.tokens for t in self.trackers))
             yield event(
                 protocol.usage_chunk_body(self.request_id, self.model, self.created, chat=self.chat, usage_=usage)
             )

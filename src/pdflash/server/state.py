@@ -11,7 +11,9 @@ from typing import Any
 import anyio
 import attrs
 
+from pdflash.server.limits import Limits
 from pdflash.server.metrics import ServerMetrics, StatsBoard
+from pdflash.server.shutdown import Streams
 
 
 def _at_least(minimum: float):
@@ -28,10 +30,19 @@ class ServerSettings:
     default_max_tokens: int = attrs.field(default=256, validator=_at_least(1))  # when a request gives none
     stats_interval_s: float = attrs.field(default=0.5, validator=_at_least(0.05))  # websocket stats period
     max_ws_generations: int = attrs.field(default=32, validator=_at_least(1))  # concurrent ones per socket
+    max_model_len: int | None = attrs.field(default=None)  # prompt + max_tokens at most (None: the model's context)
+    limits: Limits = attrs.Factory(Limits)
+    api_key: str | None = None  # bearer token every endpoint but /health (and the demo page) requires
+    allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # besides same-origin; "*": any
+    sampling_defaults: dict = attrs.Factory(dict)  # SamplingParams fields a request omits (generation_config.json)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name={self.model_name!r} is invalid: it must be a non-empty string")
+        if self.max_model_len is not None:
+            _at_least(2)(self, attrs.fields(ServerSettings).max_model_len, self.max_model_len)
+        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key):
+            raise ValueError("api_key is invalid: it must be a non-empty string (or None for no key)")
 
 
 @attrs.define(eq=False)
@@ -41,6 +52,8 @@ class ServerState:
     metrics: ServerMetrics
     board: StatsBoard
     started: int  # unix time the app was created (the model card's `created`)
+    max_model_len: int  # the settings' max_model_len, or the model's context
+    streams: Streams = attrs.Factory(Streams)
 
     async def release(self, request_id: str) -> None:
         """Make sure an engine request is gone: abort it if still live, waiting (shielded) for its release.
