@@ -1,9 +1,15 @@
 """`pdflash generate`: the --json contract, spec == --no-spec, clear errors."""
 
 import json
+import shlex
+import shutil
+import subprocess
+import sys
 
 import pytest
 
+import pdflash
+from pdflash import cli
 from pdflash.cli import main
 from pdflash.target.tiny import write_tiny_drafter
 
@@ -85,8 +91,46 @@ def test_invalid_sampling_value_is_a_clear_error(capsys, tiny_target):
 
 
 def test_missing_target_is_a_clear_error(capsys, tmp_path):
-    assert main(["generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
+    assert main(["generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1"]) == cli.EXIT_MODEL
     assert "missing config.json" in capsys.readouterr().err
+
+
+def test_user_errors_are_one_line_with_distinct_exit_codes(capsys, tiny_target, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_target, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | {"num_experts": "many"}))
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["generate", "--target", str(bad), "--prompt", "x"], cli.EXIT_MODEL, "'num_experts' must be an integer"),
+        (["make-tiny", str(tmp_path / "afile")], cli.EXIT_FILE, "is not a directory"),
+        (
+            ["train-drafter", "--target", str(tiny_target), "--data", "/nonexistent", "--out", str(tmp_path / "d")],
+            cli.EXIT_FILE,
+            "/nonexistent is not a file",
+        ),
+        (["generate", "--device", "cuda", "--prompt", "x"], cli.EXIT_DEVICE, "--device cuda is not available"),
+    ]
+    for argv, code, fragment in cases:
+        assert main(argv) == code, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert fragment in err[-1] and "Traceback" not in "".join(err), err
+    for argv in (["serve", "--port", "99999"], ["generate", "--block-size", "0", "--prompt", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == cli.EXIT_USAGE
+
+
+def test_version_broken_pipe_and_trailing_newline(tiny_target):
+    version = subprocess.run([sys.executable, "-m", "pdflash.cli", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.strip() == f"pdflash {pdflash.__version__}"
+    gen = [sys.executable, "-m", "pdflash.cli", "generate", "--target", str(tiny_target), "--prompt", "ab"]
+    whole = subprocess.run([*gen, "--max-tokens", "5"], capture_output=True, text=True)
+    assert whole.returncode == 0 and whole.stdout.endswith("\n")
+    piped = subprocess.run(
+        f"{shlex.join([*gen, '--max-tokens', '400'])} | head -c 1", shell=True, capture_output=True, text=True
+    )
+    assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
 
 
 def test_offload_flags_keep_tokens_and_report_traffic(capsys, tiny_target, drafter_dir):
