@@ -23,6 +23,7 @@ import anyio
 import anyio.abc
 from starlette.websockets import WebSocket
 
+from pdflash.sampling import SamplingParams
 from pdflash.server import protocol
 from pdflash.server.auth import websocket_authenticated
 from pdflash.server.completions import chat_prompt
@@ -98,7 +99,8 @@ class WebSocketSession:
                 self.state.metrics.ws_messages.labels(type=kind).inc()
             except APIError as error:
                 self.state.metrics.ws_messages.labels(type="invalid").inc()
-                await self._post(_error(error, None if getattr(error, "without_id", False) else msg_id))
+                # a duplicate_id error carries no id: that id's running generation still ends with its own done
+                await self._post(_error(error, None if error.code == "duplicate_id" else msg_id))
             except Exception as error:  # a bug: report it, keep the socket and the server
                 log.exception("websocket message handling failed")
                 await self._post(
@@ -122,14 +124,12 @@ class WebSocketSession:
                 code="invalid_message",
             )
         gen_id, key = _client_id(msg)
-        if key in self.running:  # the error carries no id: that id's generation still ends with its own `done`
-            raise _without_id(
-                invalid(
-                    f"a generation with id {json.dumps(gen_id)} is already running on this socket; "
-                    "ids must be unique among running generations",
-                    param="id",
-                    code="duplicate_id",
-                )
+        if key in self.running:
+            raise invalid(
+                f"a generation with id {json.dumps(gen_id)} is already running on this socket; "
+                "ids must be unique among running generations",
+                param="id",
+                code="duplicate_id",
             )
         if len(self.running) >= self.state.settings.max_ws_generations:
             raise invalid(
@@ -149,30 +149,16 @@ class WebSocketSession:
                 param=f"params.{unknown[0]}",
                 code="invalid_params",
             )
-        try:
-            logprobs = params.get("logprobs")
-            if logprobs is not None and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)):
-                raise invalid(f"logprobs must be an integer, got {json.dumps(logprobs)[:200]}", param="logprobs")
-            sampling = protocol.sampling_params(params, defaults=request_defaults(self.state), logprobs=logprobs)
-            prompt_ids = await encode(self.state, await self._prompt(msg))
-            sampling = fit_context(
-                self.state,
-                len(prompt_ids),
-                sampling,
-                max_tokens_given=params.get("max_tokens") is not None,
-                names={"max_tokens": "params.max_tokens"},
-            )
-        except APIError as error:
-            param = error.param if error.param in (None, "prompt", "messages") or "." in error.param else None
-            raise invalid(
-                error.message,
-                param=param or (f"params.{error.param}" if error.param else None),
-                code=error.code if error.param in ("prompt", "messages") else error.code or "invalid_params",
-            ) from None
-        if key in self.running:  # another start with this id arrived while the prompt was encoded
-            raise _without_id(
-                invalid(f"a generation with id {json.dumps(gen_id)} is already running", code="duplicate_id")
-            )
+        sampling = _sampling(params, request_defaults(self.state))
+        # this socket's next message waits while a long prompt is encoded (on a worker thread)
+        prompt_ids = await encode(self.state, await self._prompt(msg))
+        sampling = fit_context(
+            self.state,
+            len(prompt_ids),
+            sampling,
+            max_tokens_given=params.get("max_tokens") is not None,
+            names={"max_tokens": "params.max_tokens"},
+        )
         request_id = f"{self.name}-{next(self.requests)}"
         try:
             stream = self.state.engine.generate(prompt_ids, sampling, request_id=request_id)
@@ -289,9 +275,17 @@ def _delta(gen_id: Any, out: Any, delta: Any, generated_tokens: int) -> dict[str
     return message
 
 
-def _without_id(error: APIError) -> APIError:
-    error.without_id = True
-    return error
+def _sampling(params: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from a start message's `params` (`logprobs`: an integer, as in /v1/completions)."""
+    try:
+        logprobs = params.get("logprobs")
+        if logprobs is not None and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)):
+            raise invalid(f"logprobs must be an integer, got {json.dumps(logprobs)[:200]}", param="logprobs")
+        return protocol.sampling_params(params, defaults=defaults, logprobs=logprobs)
+    except APIError as error:
+        raise invalid(
+            error.message, param=f"params.{error.param}" if error.param else "params", code="invalid_params"
+        ) from None
 
 
 def _client_id(msg: dict[str, Any]) -> tuple[Any, str]:
