@@ -19,7 +19,7 @@ from urllib.parse import parse_qs
 
 import anyio
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from pdflash.server.errors import APIError
@@ -59,17 +59,22 @@ class AccessMiddleware:
             await self._refuse(scope, receive, send, APIError(403, _origin_message(origin), code="origin_not_allowed"))
             return
         cross = origin is not None and not _same_origin(origin, headers, scope)
-        if scope["type"] == "http" and scope["method"] == "OPTIONS" and cross:
+        if origin is not None and cross and scope["type"] == "http" and scope["method"] == "OPTIONS":
             await _preflight(origin, send)
             return
         path = scope["path"]
-        needs_key = self.api_key is not None and path not in OPEN_PATHS and not path.startswith("/static/")
-        if scope["type"] == "http" and needs_key and not key_matches(self.api_key, bearer(headers)):
+        open_path = path in OPEN_PATHS or path.startswith("/static/")
+        if (
+            scope["type"] == "http"
+            and self.api_key is not None
+            and not open_path
+            and not key_matches(self.api_key, bearer(headers))
+        ):
             given = "a wrong API key" if bearer(headers) else "no API key"
             error = unauthorized(f"this server needs an API key: send `Authorization: Bearer KEY` ({given} given)")
             await self._refuse(scope, receive, send, error)
             return
-        if cross:
+        if origin is not None and cross:
             send = _with_cors(origin, send)
         await self.app(scope, receive, send)
 
@@ -110,7 +115,7 @@ async def _preflight(origin: str, send: Send) -> None:
 
 
 def _with_cors(origin: str, send: Send) -> Send:
-    async def wrapped(message: dict) -> None:
+    async def wrapped(message: Message) -> None:
         if message["type"] == "http.response.start":
             message = {
                 **message,

@@ -54,10 +54,12 @@ class CompletionRoutes:
         names = {"prompt": "messages" if chat else "prompt"}
         if chat and body.get("max_completion_tokens") is not None:
             names["max_tokens"] = "max_completion_tokens"
-        if chat:
-            size = sum(len(m["content"]) for m in req.messages)
-            prompt = await off_loop(size, lambda: chat_prompt(state, req.messages))
+        prompt: str | list[int]
+        if req.messages is not None:
+            messages = req.messages
+            prompt = await off_loop(sum(len(m["content"]) for m in messages), lambda: chat_prompt(state, messages))
         else:
+            assert req.prompt is not None  # parse_completion_request gives completions a prompt
             prompt = req.prompt
         prompt_ids = await encode(state, prompt, param=names["prompt"])
         params = fit_context(state, len(prompt_ids), req.params, max_tokens_given=req.max_tokens_given, names=names)
@@ -137,9 +139,11 @@ class _Reply:
         return wire
 
     async def whole(self, streams: list[AsyncIterator[RequestOutput]]) -> dict[str, Any]:
-        choices, prompt_tokens, completion_tokens, summary = [], 0, 0, {}
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        summary: dict[str, Any] = {}
         for index, stream in enumerate(streams):
-            text, logprobs, out, tracker = [], [], None, self.trackers[index]
+            text, out, tracker = [], None, self.trackers[index]
+            logprobs: list[TokenLogprob] = []
             try:
                 async with aclosing(stream):
                     async for out in stream:
@@ -149,6 +153,7 @@ class _Reply:
             except Exception as error:
                 log.error("request %s failed: %r", self.ids[index], error)
                 raise APIError(500, f"generation failed: {error}", type=SERVER_ERROR) from None
+            assert out is not None  # a stream ends with its final delta
             wire = self._logprobs(index, tuple(logprobs), "".join(text))
             choices.append(
                 protocol.whole_choice(
@@ -192,7 +197,7 @@ class _Reply:
                     yield event(APIError(500, f"generation failed: {error}", type=SERVER_ERROR).body())
                     yield DONE
                     return
-        if include_usage:
+        if include_usage and out is not None:
             usage = protocol.usage(out.metrics.prompt_tokens, sum(t.tokens for t in self.trackers))
             yield event(
                 protocol.usage_chunk_body(self.request_id, self.model, self.created, chat=self.chat, usage_=usage)

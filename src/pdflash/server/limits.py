@@ -99,7 +99,7 @@ def nesting_depth(value: Any) -> int:
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict):
-            children = node.values()
+            children = list(node.values())
         elif isinstance(node, list):
             children = node
         else:

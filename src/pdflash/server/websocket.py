@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import json
 import logging
+from collections.abc import Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -215,8 +216,8 @@ class WebSocketSession:
             )
             self.state.metrics.ws_generations.labels(outcome=reason).inc()
         if failure is not None:
-            error = {"code": "generation_failed", "param": None, "message": f"generation failed: {failure}"}
-            await self._post({"type": "error", "id": gen_id, **error}, request_id)
+            body = {"code": "generation_failed", "param": None, "message": f"generation failed: {failure}"}
+            await self._post({"type": "error", "id": gen_id, **body}, request_id)
             return
         metrics = tracker.summary(out) if out is not None else {"generated_tokens": 0}
         await self._post({"type": "done", "id": gen_id, "finish_reason": reason, "metrics": metrics}, request_id)
@@ -244,7 +245,7 @@ class WebSocketSession:
             await anyio.sleep(self.state.settings.stats_interval_s)
 
 
-async def _decode(message: dict[str, Any], max_depth: int) -> dict[str, Any]:
+async def _decode(message: Mapping[str, Any], max_depth: int) -> dict[str, Any]:
     text = message.get("text")
     if text is None:
         raise invalid("binary frames are not part of the protocol; send JSON text", code="invalid_message")
