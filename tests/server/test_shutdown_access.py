@@ -135,7 +135,7 @@ def test_websocket_authenticates_by_query_string_or_first_message(keyed):
             if first:
                 ws.send(json.dumps(first))
             ws.send(json.dumps(start))
-            while (m := json.loads(ws.recv(timeout=30)))["type"] != "done":
+            while json.loads(ws.recv(timeout=30))["type"] != "done":
                 pass
     with connect(keyed.ws_url) as ws:
         ws.send(json.dumps(start))  # not an auth message: refused and closed
