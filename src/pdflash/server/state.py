@@ -11,25 +11,20 @@ from typing import Any
 import anyio
 import attrs
 
+from pdflash.checks import at_least
 from pdflash.server.limits import Limits
 from pdflash.server.metrics import ServerMetrics, StatsBoard
 from pdflash.server.shutdown import Streams
 
 
-def _at_least(minimum: float):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-            raise ValueError(f"{attribute.name}={value!r} is invalid: it must be a number >= {minimum}")
-
-    return check
-
-
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     model_name: str = "pdflash"  # the name /v1/models lists and requests must use (or omit)
-    default_max_tokens: int = attrs.field(default=256, validator=_at_least(1))  # when a request gives none
-    stats_interval_s: float = attrs.field(default=0.5, validator=_at_least(0.05))  # websocket stats period
-    max_ws_generations: int = attrs.field(default=32, validator=_at_least(1))  # concurrent ones per socket
+    default_max_tokens: int = attrs.field(default=256, validator=at_least(1, integer=True))  # when a request gives none
+    stats_interval_s: float = attrs.field(
+        default=0.5, validator=at_least(0.05, integer=False)
+    )  # websocket stats period
+    max_ws_generations: int = attrs.field(default=32, validator=at_least(1, integer=True))  # concurrent ones per socket
     max_model_len: int | None = attrs.field(default=None)  # prompt + max_tokens at most (None: the model's context)
     limits: Limits = attrs.Factory(Limits)
     api_key: str | None = None  # bearer token every endpoint but /health (and the demo page) requires
@@ -40,7 +35,7 @@ class ServerSettings:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name={self.model_name!r} is invalid: it must be a non-empty string")
         if self.max_model_len is not None:
-            _at_least(2)(self, attrs.fields(ServerSettings).max_model_len, self.max_model_len)
+            at_least(2, integer=True)(self, attrs.fields(ServerSettings).max_model_len, self.max_model_len)
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key):
             raise ValueError("api_key is invalid: it must be a non-empty string (or None for no key)")
 
