@@ -79,6 +79,8 @@ async def sse(client: httpx.AsyncClient, tally: Tally, rng: random.Random, chat:
             data = line[6:]
             if data == "[DONE]":
                 tally.add("final" if finishes == 1 else "lost")
+                if finishes != 1:
+                    tally.add("lost_sse")
                 return
             chunk = json.loads(data)
             if "error" in chunk:
@@ -98,7 +100,10 @@ async def whole(client: httpx.AsyncClient, tally: Tally, rng: random.Random) -> 
         return
     if r.status_code == 200:
         tally.add("started")
-        tally.add("final" if all(c["finish_reason"] for c in r.json()["choices"]) else "lost")
+        complete = all(c["finish_reason"] for c in r.json()["choices"])
+        tally.add("final" if complete else "lost")
+        if not complete:
+            tally.add("lost_whole")
     else:
         tally.add("server_error" if r.status_code >= 500 and r.status_code != 503 else f"http_{r.status_code}")
 
@@ -128,6 +133,8 @@ async def ws_session(url: str, tally: Tally, rng: random.Random) -> None:
             if kind == "delta" and gen_id in to_cancel:
                 to_cancel.discard(gen_id)
                 await ws.send(json.dumps({"type": "cancel", "id": gen_id}))
+            if kind == "error" and message["code"] == "unknown_id":
+                continue  # the answer to a cancel that crossed its generation's done: not a final message
             if kind in ("done", "error") and gen_id in pending:
                 pending[gen_id] += 1
                 if kind == "error" and message["code"] in ("internal_error", "generation_failed"):
@@ -137,9 +144,13 @@ async def ws_session(url: str, tally: Tally, rng: random.Random) -> None:
             if kind == "delta" and abandon:  # closing the socket: its running generations expect nothing
                 for count in pending.values():
                     tally.add("abandoned" if count == 0 else "final" if count == 1 else "lost")
+                    if count > 1:
+                        tally.add("lost_ws")
                 return
         for count in pending.values():
             tally.add("final" if count == 1 else "lost")
+            if count != 1:
+                tally.add("lost_ws")
 
 
 async def worker(base: str, deadline: float, tally: Tally, seed: int) -> None:

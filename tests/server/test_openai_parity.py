@@ -126,3 +126,17 @@ def test_tokenize_round_trips_and_version(client, target):
     back = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert back["prompt"] == text
     assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_request_defaults_come_from_the_settings_when_a_request_omits_them(tiny_target):
+    """What `pdflash serve` reads from generation_config.json fills the fields a request leaves out."""
+    engine = AsyncEngine.from_pretrained(tiny_target)
+    settings = ServerSettings(model_name="tiny", sampling_defaults={"repetition_penalty": 3.0})
+    with BackgroundServer(create_app(engine, settings)) as server:
+        ids = list(range(40, 48))
+        omitted = _ws_ids(server, ids, 10, {})
+        assert omitted == _ws_ids(server, ids, 10, {"repetition_penalty": 3.0})
+        assert omitted != _ws_ids(server, ids, 10, {"repetition_penalty": 1.0})
+        body = {"prompt": ids, "max_tokens": 10, "temperature": 0, "logprobs": 0}
+        whole = httpx.post(server.url + "/v1/completions", json=body).json()
+        assert len(whole["choices"][0]["logprobs"]["token_logprobs"]) == 10
