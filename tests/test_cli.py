@@ -3,6 +3,7 @@
 import json
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -194,3 +195,12 @@ def test_train_drafter_writes_stats_and_reuses_its_data_cache(capsys, tiny_targe
     assert built == []
     train("--response-tokens", "10")  # a data option: the cache is stale and rebuilt
     assert built == [1]
+
+
+def test_ctrl_c_during_generate_is_quiet_with_status_130(tiny_target):
+    cmd = [sys.executable, "-m", "pdflash.cli", "generate", "--target", str(tiny_target), "--prompt", "ab"]
+    proc = subprocess.Popen([*cmd, "--max-tokens", "2000", "--no-spec"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)  # it is generating
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == cli.EXIT_INTERRUPTED and "Traceback" not in err.decode(), err.decode()[-2000:]
