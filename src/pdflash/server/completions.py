@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -38,13 +38,13 @@ class CompletionRoutes:
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response | EventStreamResponse:
         return await self._handle(request, chat=False)
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response | EventStreamResponse:
         return await self._handle(request, chat=True)
 
-    async def _handle(self, request: Request, *, chat: bool) -> Response:
+    async def _handle(self, request: Request, *, chat: bool) -> Response | EventStreamResponse:
         state = self.state
         if state.streams.draining:
             raise shutting_down()
@@ -65,7 +65,7 @@ class CompletionRoutes:
         params = fit_context(state, len(prompt_ids), req.params, max_tokens_given=req.max_tokens_given, names=names)
         request_id = protocol.new_id(chat)
         ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
-        streams = []
+        streams: list[AsyncGenerator[RequestOutput, None]] = []  # engine.generate's async generators
         try:
             for i, rid in enumerate(ids):
                 streams.append(state.engine.generate(prompt_ids, _choice_params(params, i), request_id=rid))
@@ -138,7 +138,7 @@ class _Reply:
         self.offsets[index] += len(text)
         return wire
 
-    async def whole(self, streams: list[AsyncIterator[RequestOutput]]) -> dict[str, Any]:
+    async def whole(self, streams: list[AsyncGenerator[RequestOutput, None]]) -> dict[str, Any]:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         summary: dict[str, Any] = {}
         for index, stream in enumerate(streams):
@@ -174,7 +174,7 @@ class _Reply:
         )
 
     async def events(
-        self, streams: list[AsyncIterator[RequestOutput]], *, include_usage: bool
+        self, streams: list[AsyncGenerator[RequestOutput, None]], *, include_usage: bool
     ) -> AsyncGenerator[str, None]:
         """Chunks of every choice (choice i after choice i-1: all of them generate concurrently), then [DONE]."""
         out = None

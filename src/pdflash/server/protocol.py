@@ -313,7 +313,7 @@ def chunk_body(
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    body = {
+    body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,

@@ -170,6 +170,7 @@ class WebSocketSession:
         self.running[key] = scope
         self.state.streams.open(request_id)  # until its done / error has been sent
         self.opened.add(request_id)
+        assert self.tasks is not None  # set by run() before it reads messages
         self.tasks.start_soon(self._generate, gen_id, key, request_id, stream, scope)
 
     async def _prompt(self, msg: dict[str, Any]) -> str | list[int]:
@@ -236,6 +237,7 @@ class WebSocketSession:
                     self.state.streams.close(final_of)
                     self.opened.discard(final_of)
         except Exception:  # the client is gone (or the transport broke): end the session
+            assert self.tasks is not None
             self.tasks.cancel_scope.cancel()
 
     async def _send_stats(self) -> None:
