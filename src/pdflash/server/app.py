@@ -106,6 +106,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
         WebSocketRoute("/ws", ws),
         Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
     ]
+    # each handler takes its own exception type; Starlette's annotation says Exception for all
+    handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -113,7 +115,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
             Middleware(RequestMetricsMiddleware, metrics=metrics),
             Middleware(AccessMiddleware, api_key=settings.api_key, allowed_origins=settings.allowed_origins),
         ],
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        exception_handlers=handlers,
     )
     app.state.pdflash = state
     return app
@@ -130,7 +132,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         message = f"{request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return APIError(exc.status_code, message, headers=exc.headers).response()
+    return APIError(exc.status_code, message, headers=dict(exc.headers) if exc.headers else None).response()
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
