@@ -348,12 +348,15 @@ def test_websocket_duplicate_running_id_is_refused_and_chat_messages_work(server
 
 
 def test_closing_a_websocket_aborts_its_generations(server, http):
+    aborted = sample(metric_samples(http), "pdflash_ws_generations_total", outcome="abort")
     with connect(server.ws_url) as ws:
         for i in range(3):
             ws.send(json.dumps({"type": "start", "id": i, "prompt": "long", "params": {"max_tokens": 1500}}))
         while json.loads(ws.recv(timeout=10))["type"] != "delta":
             pass
     assert wait_until_idle(http, 5.0)["live_sequences"] == 0
+    # generations ended by the socket closing are counted too (issue 20, finding 6)
+    assert sample(metric_samples(http), "pdflash_ws_generations_total", outcome="abort") == aborted + 3
 
 
 # -- /metrics -------------------------------------------------------------------------------
