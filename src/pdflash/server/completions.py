@@ -76,6 +76,9 @@ class CompletionRoutes:
                 state.streams.close(rid)
             param_of = {**{f: f for f in protocol.SAMPLING_TYPES}, **names}
             raise from_engine_error(error, param_of=param_of) from None
+        if state.streams.draining:  # shutdown began while this request was parsed: it ends at once ("abort")
+            for rid in ids:
+                await state.engine.abort(rid)
         reply = _Reply(state, request_id, protocol.now(), chat=chat, ids=ids, logprobs=params.logprobs is not None)
         if req.stream:
             return EventStreamResponse(reply.events(streams, include_usage=req.include_usage), on_close=reply.release)

@@ -170,6 +170,8 @@ class WebSocketSession:
         self.running[key] = scope
         self.state.streams.open(request_id)  # until its done / error has been sent
         self.opened.add(request_id)
+        if self.state.streams.draining:  # shutdown began while the prompt was encoded: it ends at once ("abort")
+            await self.state.engine.abort(request_id)
         assert self.tasks is not None  # set by run() before it reads messages
         self.tasks.start_soon(self._generate, gen_id, key, request_id, stream, scope)
 
