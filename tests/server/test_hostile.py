@@ -188,3 +188,22 @@ def test_huge_bodies_are_413_while_health_answers_fast_and_memory_returns(server
     assert closed.value.rcvd.code == 1009  # "message too big"
     assert http.get("/health").status_code == 200  # ... and nothing else
     assert not server.errors, server.errors
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        ('{"type": "start", "id": 1, "prompt": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "invalid_json"),
+        ('{"type": "start", "id": 1, "prompt": "a", "params": {"temperature": NaN}}', "invalid_json"),
+        ('{"type": "start", "id": 1, "prompt": "a", "params": {"seed": 18446744073709551616}}', "invalid_params"),
+        ('{"type": "start", "id": 1, "prompt": [1, 99999999999999999999]}', "invalid_request"),
+        ('{"type": "start", "id": 1, "prompt": "a", "params": {"max_tokens": 5000}}', "context_length_exceeded"),
+    ],
+)
+def test_listed_hostile_websocket_frames_get_their_error(server, frame, code):
+    with connect(server.ws_url) as ws:
+        ws.send(frame)
+        while (message := json.loads(ws.recv(timeout=30)))["type"] != "error":
+            pass
+        assert message["code"] == code, message
+    assert not server.errors, server.errors

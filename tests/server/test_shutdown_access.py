@@ -161,3 +161,35 @@ def test_cross_origin_websocket_and_post_are_refused_unless_allowed(keyed):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.example"
     with connect(f"{keyed.ws_url}?api_key={KEY}", origin=keyed.url):  # same-origin (the demo page)
         pass
+
+
+@pytest.fixture(scope="module")
+def default_server(tiny_target):
+    engine = AsyncEngine.from_pretrained(tiny_target, max_num_seqs=4)
+    with BackgroundServer(create_app(engine, ServerSettings(model_name="tiny", default_max_tokens=2))) as running:
+        yield running
+
+
+def test_by_default_only_the_servers_own_origin_may_call_it(default_server):
+    body = {"prompt": "ab", "max_tokens": 2}
+    evil = httpx.post(default_server.url + "/v1/completions", json=body, headers={"origin": "http://evil.example"})
+    assert evil.status_code == 403 and evil.json()["error"]["code"] == "origin_not_allowed"
+    simple = httpx.post(  # a CORS "simple request" a page may send without a preflight
+        default_server.url + "/v1/completions", content=json.dumps(body), headers={"content-type": "text/plain"}
+    )
+    assert simple.status_code == 415
+    own = httpx.post(default_server.url + "/v1/completions", json=body, headers={"origin": default_server.url})
+    assert own.status_code == 200 and "access-control-allow-origin" not in own.headers
+    assert httpx.post(default_server.url + "/v1/completions", json=body).status_code == 200  # no Origin: not a browser
+    with pytest.raises(InvalidStatus) as refused:
+        connect(default_server.ws_url, origin="http://evil.example")
+    assert refused.value.response.status_code == 403
+
+
+def test_preflight_answers_allowed_origins_only(keyed):
+    ask = {"access-control-request-method": "POST", "access-control-request-headers": "authorization, content-type"}
+    ok = httpx.options(keyed.url + "/v1/completions", headers={"origin": "http://ok.example", **ask})
+    assert ok.status_code == 204 and ok.headers["access-control-allow-origin"] == "http://ok.example"
+    assert "authorization" in ok.headers["access-control-allow-headers"]
+    evil = httpx.options(keyed.url + "/v1/completions", headers={"origin": "http://evil.example", **ask})
+    assert evil.status_code == 403
