@@ -284,33 +284,39 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-
-    from pdflash.engine.async_engine import AsyncEngine
-    from pdflash.server import ServerSettings, create_app
-    from pdflash.server.background import server_config
+def server_settings(args: argparse.Namespace):
+    """ServerSettings from `pdflash serve`'s flags (after _engine_options resolved the target)."""
+    from pdflash.server import ServerSettings
     from pdflash.server.limits import Limits
-    from pdflash.server.shutdown import GracefulServer
     from pdflash.target.generation_config import generation_defaults
+
+    return ServerSettings(
+        model_name=args.served_model_name or Path(args.target).name,
+        default_max_tokens=args.default_max_tokens,
+        stats_interval_s=args.stats_interval,
+        max_ws_generations=args.max_ws_generations,
+        max_model_len=args.max_model_len,
+        limits=Limits(
+            max_body_bytes=args.max_body_bytes,
+            max_ws_message_bytes=args.max_ws_message_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+        ),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        allowed_origins=args.allowed_origins,
+        sampling_defaults={} if args.greedy else generation_defaults(args.target),
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdflash.engine.async_engine import AsyncEngine
+    from pdflash.server import create_app
+    from pdflash.server.background import server_config
+    from pdflash.server.shutdown import GracefulServer
 
     try:
         _check_device(args.device)
         budgets, offload = _engine_options(args)
-        settings = ServerSettings(
-            model_name=args.served_model_name or Path(args.target).name,
-            default_max_tokens=args.default_max_tokens,
-            stats_interval_s=args.stats_interval,
-            max_ws_generations=args.max_ws_generations,
-            max_model_len=args.max_model_len,
-            limits=Limits(
-                max_body_bytes=args.max_body_bytes,
-                max_ws_message_bytes=args.max_ws_message_bytes,
-                max_prompt_tokens=args.max_prompt_tokens,
-            ),
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-            allowed_origins=args.allowed_origins,
-            sampling_defaults={} if args.greedy else generation_defaults(args.target),
-        )
+        settings = server_settings(args)
         sock = _bind(args.host, args.port)
         engine = AsyncEngine.from_pretrained(
             args.target,
