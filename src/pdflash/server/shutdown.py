@@ -19,7 +19,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from typing import Any
 
 import anyio
@@ -47,14 +47,6 @@ class Streams:
         self.live.discard(request_id)
         if not self.live:
             self._idle.set()
-
-    @contextlib.contextmanager
-    def track(self, request_id: str) -> Iterator[None]:
-        self.open(request_id)
-        try:
-            yield
-        finally:
-            self.close(request_id)
 
     async def drain(self, engine: Any, timeout_s: float) -> bool:
         """Refuse new work, abort every live request, wait for the final messages; False on timeout."""
