@@ -1,9 +1,16 @@
 """`pdflash generate`: the --json contract, spec == --no-spec, clear errors."""
 
 import json
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 
+import pdflash
+from pdflash import cli
 from pdflash.cli import main
 from pdflash.target.tiny import write_tiny_drafter
 
@@ -85,8 +92,46 @@ def test_invalid_sampling_value_is_a_clear_error(capsys, tiny_target):
 
 
 def test_missing_target_is_a_clear_error(capsys, tmp_path):
-    assert main(["generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
+    assert main(["generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1"]) == cli.EXIT_MODEL
     assert "missing config.json" in capsys.readouterr().err
+
+
+def test_user_errors_are_one_line_with_distinct_exit_codes(capsys, tiny_target, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_target, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | {"num_experts": "many"}))
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["generate", "--target", str(bad), "--prompt", "x"], cli.EXIT_MODEL, "'num_experts' must be an integer"),
+        (["make-tiny", str(tmp_path / "afile")], cli.EXIT_FILE, "is not a directory"),
+        (
+            ["train-drafter", "--target", str(tiny_target), "--data", "/nonexistent", "--out", str(tmp_path / "d")],
+            cli.EXIT_FILE,
+            "/nonexistent is not a file",
+        ),
+        (["generate", "--device", "cuda", "--prompt", "x"], cli.EXIT_DEVICE, "--device cuda is not available"),
+    ]
+    for argv, code, fragment in cases:
+        assert main(argv) == code, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert fragment in err[-1] and "Traceback" not in "".join(err), err
+    for argv in (["serve", "--port", "99999"], ["generate", "--block-size", "0", "--prompt", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == cli.EXIT_USAGE
+
+
+def test_version_broken_pipe_and_trailing_newline(tiny_target):
+    version = subprocess.run([sys.executable, "-m", "pdflash.cli", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.strip() == f"pdflash {pdflash.__version__}"
+    gen = [sys.executable, "-m", "pdflash.cli", "generate", "--target", str(tiny_target), "--prompt", "ab"]
+    whole = subprocess.run([*gen, "--max-tokens", "5"], capture_output=True, text=True)
+    assert whole.returncode == 0 and whole.stdout.endswith("\n")
+    piped = subprocess.run(
+        f"{shlex.join([*gen, '--max-tokens', '400'])} | head -c 1", shell=True, capture_output=True, text=True
+    )
+    assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
 
 
 def test_offload_flags_keep_tokens_and_report_traffic(capsys, tiny_target, drafter_dir):
@@ -168,3 +213,28 @@ def test_make_tiny_gpt_oss_then_train_a_drafter_on_it(capsys, tmp_path):
 
     drafter = load_drafter(tmp_path / "d", load_target(target).model)
     assert drafter.config.num_target_layers == config["num_hidden_layers"]
+
+
+def test_ctrl_c_during_generate_is_quiet_with_status_130(tiny_target):
+    cmd = [sys.executable, "-m", "pdflash.cli", "generate", "--target", str(tiny_target), "--prompt", "ab"]
+    proc = subprocess.Popen([*cmd, "--max-tokens", "2000", "--no-spec"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)  # it is generating
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == cli.EXIT_INTERRUPTED and "Traceback" not in err.decode(), err.decode()[-2000:]
+
+
+def test_serve_flags_become_server_settings(monkeypatch, tiny_target):
+    from pdflash.bundled import default_target
+
+    monkeypatch.setenv(cli.API_KEY_ENV, "sk-env")
+    argv = ["serve", "--max-model-len", "512", "--max-body-bytes", "1000", "--allowed-origins", "https://a.example"]
+    args = cli.build_parser().parse_args(argv)
+    cli._engine_options(args)
+    settings = cli.server_settings(args)
+    assert settings.api_key == "sk-env" and settings.max_model_len == 512 and settings.limits.max_body_bytes == 1000
+    assert settings.allowed_origins == ("https://a.example",) and settings.model_name == default_target().name
+    assert settings.sampling_defaults == {"temperature": 0.7, "top_p": 0.95}  # the bundled generation_config.json
+    greedy = cli.build_parser().parse_args(["serve", "--greedy", "--api-key", "sk-flag", "--target", str(tiny_target)])
+    cli._engine_options(greedy)
+    assert cli.server_settings(greedy).sampling_defaults == {} and cli.server_settings(greedy).api_key == "sk-flag"

@@ -59,3 +59,41 @@ def test_second_token_follows_target_distribution(pair, top_k):
     dof = int(support.sum()) - 1
     critical = chi2_critical(dof)
     assert chi2 < critical, f"chi2={chi2:.1f} with {dof} dof exceeds {critical} (p=0.001)"
+
+
+PENALTIES = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.4, "min_p": 0.02}
+
+
+def penalized(logits: torch.Tensor, output: list[int]) -> torch.Tensor:
+    """[V] logits with PENALTIES written out by hand (prompt + output repetition, output counts)."""
+    row = logits.clone()
+    for t in set(PROMPT) | set(output):
+        row[t] = row[t] / PENALTIES["repetition_penalty"] if row[t] > 0 else row[t] * PENALTIES["repetition_penalty"]
+    for t in set(output):
+        row[t] -= PENALTIES["frequency_penalty"] * output.count(t) + PENALTIES["presence_penalty"]
+    return row
+
+
+def test_penalized_second_token_follows_the_penalized_target_distribution(pair):
+    """Penalties act on each verify row's own history, so acceptance keeps the penalized distribution."""
+    loaded, drafter = pair
+    spec = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes)
+    requests = [(PROMPT, SamplingParams(temperature=1.0, max_tokens=2, seed=s, **PENALTIES)) for s in range(SEEDS)]
+    sessions = spec.begin_sessions(requests)
+    spec.draft_rounds(sessions)
+    assert sum(r.accepted_drafts for r in spec.verify_rounds(sessions)) > 0
+    counts = torch.bincount(torch.tensor([s.emitted[1] for s in sessions]), minlength=VOCAB).double()
+    plain = SamplingParams(temperature=1.0, min_p=PENALTIES["min_p"])  # penalties applied by hand below
+    model = loaded.model
+    with torch.no_grad():
+        logits = model.forward([torch.tensor(PROMPT)], [model.new_cache()], last_logits_only=True).logits[0].float()
+        first = probabilities(penalized(logits, [])[None], plain)[0]
+        seqs = [torch.tensor(PROMPT + [t]) for t in range(VOCAB)]
+        second = model.forward(seqs, [model.new_cache() for _ in seqs], last_logits_only=True).logits.float()
+        rows = torch.stack([penalized(second[t], [t]) for t in range(VOCAB)])
+        expected = (first @ probabilities(rows, plain)).double() * SEEDS
+    support = expected > 0
+    assert counts[~support].sum() == 0
+    chi2 = float(((counts[support] - expected[support]) ** 2 / expected[support]).sum())
+    dof = int(support.sum()) - 1
+    assert chi2 < chi2_critical(dof), f"chi2={chi2:.1f} with {dof} dof exceeds {chi2_critical(dof)} (p=0.001)"

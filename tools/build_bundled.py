@@ -177,6 +177,10 @@ def stage_tokenizer(args) -> None:
             indent=2,
         )
     )
+    # sampling defaults requests and `pdflash generate` get (greedy loops on this tiny model: docs/model-card.md)
+    (args.out / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.95}, indent=2) + "\n"
+    )
     heldout = read_texts(split, "heldout")
     n_tok = sum(len(e.ids) for e in tokenizer.encode_batch(heldout))
     n_bytes = sum(len(t.encode()) for t in heldout)

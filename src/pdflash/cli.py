@@ -1,19 +1,84 @@
-"""The `pdflash` command line: generate, serve, train-drafter, make-tiny."""
+"""The `pdflash` command line: generate, serve, train-drafter, make-tiny.
+
+A user error is one line on stderr (`pdflash: ...`) and a distinct exit code (the EXIT_*
+constants, listed in docs/cli.md); Ctrl+C and a closed stdout end quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import attrs
 
+import pdflash
 from pdflash.bundled import default_drafter, default_target
 from pdflash.chat.families import FAMILIES
+from pdflash.errors import CheckpointError
 from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams
+
+EXIT_USAGE = 2  # a bad flag or value (argparse's code too)
+EXIT_MODEL = 3  # a checkpoint, config or generation_config that cannot be used
+EXIT_FILE = 4  # a file or directory that is missing, already exists or cannot be written
+EXIT_ADDRESS = 5  # serve: the host/port cannot be bound
+EXIT_DEVICE = 6  # the torch device does not exist in this build / on this machine
+EXIT_INTERRUPTED = 130  # Ctrl+C (128 + SIGINT), quietly
+EXIT_BROKEN_PIPE = 141  # stdout closed early (`| head`; 128 + SIGPIPE), quietly
+API_KEY_ENV = "PDFLASH_API_KEY"
+
+
+class UserError(Exception):
+    """One line for stderr and its exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535, got {text}")
+    return value
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        raise UserError(f"--device {device!r} is not a torch device ({exc}); e.g. cpu or cuda") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            f"--device {device} is not available: this torch build or machine has no CUDA device; use --device cpu",
+            EXIT_DEVICE,
+        )
+
+
+def _sampling(args: argparse.Namespace, target: Path) -> SamplingParams:
+    """The flags, then the target's generation_config.json, then SamplingParams' defaults (greedy)."""
+    from pdflash.target.generation_config import generation_defaults
+
+    fields = {} if args.greedy else generation_defaults(target)
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    if args.greedy:
+        fields["temperature"] = 0.0
+    return SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **fields)
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -58,20 +123,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pdflash.engine.async_engine import AsyncEngine
 
     try:
+        _check_device(args.device)
         budgets, offload = _engine_options(args)
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-        )
+        params = _sampling(args, args.target)
         engine = AsyncEngine.from_pretrained(
             args.target,
             None if args.no_spec else args.drafter,
             block_size=args.block_size,
             projector=args.projector,
             dtype=args.dtype,
+            device=args.device,
             progress=not args.json,
             max_num_seqs=1,
             offload=offload,
@@ -79,13 +140,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         prompt = _prompt_ids(args, engine.tokenizer)
         result = anyio.run(_generate_one, engine, prompt, params, not args.json)
+    except CheckpointError as exc:
+        raise UserError(str(exc), EXIT_MODEL) from None
     except ValueError as exc:
-        print(f"pdflash: {exc}", file=sys.stderr)
-        return 2
+        raise UserError(str(exc)) from None
     if args.json:
         print(json.dumps(result))
     else:
         stats = result["stats"]
+        if not result["text"].endswith("\n"):
+            print(flush=True)  # the output ends with a newline
         tau = f"τ {stats['mean_acceptance_length']:.2f}, " if engine.speculator.drafter else ""
         print(
             f"\n[{stats['generated_tokens']} tokens, {tau}{stats['tokens_per_second']:.1f} tokens/s, "
@@ -147,6 +211,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     )
     from pdflash.target.loader import load_target
 
+    missing = [str(f) for f in args.data if not Path(f).is_file()]
+    if missing:
+        raise UserError(f"--data {missing[0]} is not a file (give text files to draw prompts from)", EXIT_FILE)
     try:
         settings = TrainSettings(
             num_layers=args.layers,
@@ -189,9 +256,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         }
         data = cached_training_data(args.data_cache, key, build)
         result = trainer.train(data, progress=True)
+    except CheckpointError as exc:
+        raise UserError(str(exc), EXIT_MODEL) from None
     except ValueError as exc:
-        print(f"pdflash: {exc}", file=sys.stderr)
-        return 2
+        raise UserError(str(exc)) from None
     out = trainer.save(args.out)
     tail = result.losses[-min(50, result.steps) :]
     print(
@@ -217,22 +285,42 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def server_settings(args: argparse.Namespace):
+    """ServerSettings from `pdflash serve`'s flags (after _engine_options resolved the target)."""
+    from pdflash.server import ServerSettings
+    from pdflash.server.limits import Limits
+    from pdflash.target.generation_config import generation_defaults
 
+    return ServerSettings(
+        model_name=args.served_model_name or Path(args.target).name,
+        default_max_tokens=args.default_max_tokens,
+        stats_interval_s=args.stats_interval,
+        max_ws_generations=args.max_ws_generations,
+        max_model_len=args.max_model_len,
+        limits=Limits(
+            max_body_bytes=args.max_body_bytes,
+            max_ws_message_bytes=args.max_ws_message_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+        ),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        allowed_origins=args.allowed_origins,
+        sampling_defaults={} if args.greedy else generation_defaults(args.target),
+        chat_template=args.chat_template,
+        chat_parser=args.chat_parser,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from pdflash.engine.async_engine import AsyncEngine
-    from pdflash.server import ServerSettings, create_app
+    from pdflash.server import create_app
+    from pdflash.server.background import server_config
+    from pdflash.server.shutdown import GracefulServer
 
     try:
+        _check_device(args.device)
         budgets, offload = _engine_options(args)
-        settings = ServerSettings(
-            model_name=args.served_model_name or Path(args.target).name,
-            default_max_tokens=args.default_max_tokens,
-            stats_interval_s=args.stats_interval,
-            max_ws_generations=args.max_ws_generations,
-            chat_template=args.chat_template,
-            chat_parser=args.chat_parser,
-        )
+        settings = server_settings(args)
+        sock = _bind(args.host, args.port)
         engine = AsyncEngine.from_pretrained(
             args.target,
             None if args.no_spec else args.drafter,
@@ -246,24 +334,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
             offload=offload,
             **budgets,
         )
-        app = create_app(engine, settings)  # reads the chat template: a broken one stops here
+        app = create_app(engine, settings)
+    except CheckpointError as exc:
+        raise UserError(str(exc), EXIT_MODEL) from None
     except ValueError as exc:
-        print(f"pdflash: {exc}", file=sys.stderr)
-        return 2
+        raise UserError(str(exc)) from None
+    host, port = sock.getsockname()[:2]
     spec = "autoregressive" if engine.speculator.drafter is None else f"DFlash, block {engine.speculator.block_size}"
+    key = ", API key required" if settings.api_key else ""
     print(
-        f"pdflash: serving {settings.model_name!r} ({spec}) on http://{args.host}:{args.port} "
+        f"pdflash: serving {settings.model_name!r} ({spec}{key}) on http://{host}:{port} "
         f"(demo page at /, OpenAI API under /v1, websocket at /ws, metrics at /metrics)",
         file=sys.stderr,
+        flush=True,
     )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.graceful_shutdown_timeout,
-    )
+    config = server_config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    GracefulServer(config, drain_timeout_s=args.graceful_shutdown_timeout).run(sockets=[sock])
     return 0
+
+
+def _bind(host: str, port: int):
+    """A listening socket on host:port, before the model loads (a taken port fails fast)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", EXIT_ADDRESS) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -274,7 +378,10 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         return 0
     from pdflash.target.tiny import write_tiny_target
 
-    print(write_tiny_target(Path(args.out), seed=args.seed))
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory; give a new or existing directory", EXIT_FILE)
+    print(write_tiny_target(out, seed=args.seed))
     return 0
 
 
@@ -286,7 +393,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="DFlash drafter directory (default: the built-in model's; without one, decode autoregressively)",
     )
     p.add_argument("--no-spec", action="store_true", help="decode autoregressively even when a drafter is given")
-    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument(
+        "--block-size", type=_positive_int, default=None, help="draft block size, >= 2 (default: the drafter's)"
+    )
     p.add_argument(
         "--projector",
         default=None,
@@ -294,6 +403,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="route projection of each drafted block (default: router with offloading or byte budgets, "
         "else last-union, which costs nothing)",
     )
+
+
+def _add_device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
 
 
 def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
@@ -359,11 +472,40 @@ def _add_serve_parser(sub) -> None:
     )
     _add_model_flags(serve)
     _add_dtype_flag(serve)
-    serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    _add_device_flag(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on, 0 = any free one (default 8000)")
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: the target directory's name)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on every endpoint but /health and the demo page "
+        f"(default: ${API_KEY_ENV}, else no key)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        metavar="ORIGIN",
+        help="browser origins besides the server's own that may call it (CORS, websocket Origin); "
+        "'*' allows any (default: same-origin only)",
+    )
+    serve.add_argument(
+        "--max-model-len", type=_positive_int, default=None, help="prompt + max_tokens at most (default: the model's)"
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=_positive_int, default=4 * 1024 * 1024, help="HTTP body limit, 413 beyond (4 MiB)"
+    )
+    serve.add_argument(
+        "--max-ws-message-bytes", type=_positive_int, default=1024 * 1024, help="websocket message limit (1 MiB)"
+    )
+    serve.add_argument(
+        "--max-prompt-tokens", type=_positive_int, default=None, help="prompt tokens at most (default: the context)"
+    )
+    serve.add_argument(
+        "--greedy", action="store_true", help="ignore generation_config.json's sampling defaults (greedy by default)"
     )
     serve.add_argument("--max-num-seqs", type=int, default=64, help="live sequences at most (default 64)")
     serve.add_argument(
@@ -413,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdflash",
         description="Serve Mixture-of-Experts models with offloaded experts and DFlash speculative decoding.",
     )
+    parser.add_argument("--version", action="version", version=f"pdflash {pdflash.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
@@ -424,11 +567,15 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
-    gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all (default)")
+    gen.add_argument("--max-tokens", type=_positive_int, default=64, help="new tokens at most (default 64)")
+    gen.add_argument(
+        "--temperature", type=float, default=None, help="0 = greedy (default: generation_config.json's, else 0)"
+    )
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default: as temperature)")
+    gen.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens; 0 = all")
+    gen.add_argument("--greedy", action="store_true", help="greedy decoding whatever generation_config.json says")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    _add_device_flag(gen)
     _add_dtype_flag(gen)
     _add_budget_and_offload_flags(gen)
     gen.add_argument(
@@ -508,7 +655,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"pdflash: {exc}", file=sys.stderr)
+        return exc.code
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        print(f"pdflash: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FILE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # stdout's reader left: flushing at exit would raise again, so point stdout at nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -1,11 +1,21 @@
-"""Sampling parameters (validated once) and the token choice from logits."""
+"""Sampling parameters (validated once), logits processing (penalties, min_tokens), logprobs and the token choice.
+
+`adjust_logits` is the one place penalties and min_tokens act: the AR loop, prefill and the
+speculative verify call it on the target's logits before sampling, so a drafted token is
+accepted against exactly the distribution plain decoding would sample from. Logprobs are
+the target's own log-softmax (before any adjustment or temperature) at the emitted tokens.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 
 import attrs
 import torch
+
+SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch.Generator seed takes, as int64
+MAX_TOP_LOGPROBS = 20
 
 
 def _check(condition: bool, message: str) -> None:
@@ -22,6 +32,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # finish after any of these
     stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s))
     seed: int | None = None  # per-request generator seed
+    presence_penalty: float = 0.0  # subtracted once from each token already generated, in [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per earlier occurrence in the output, in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; divides positive / multiplies negative logits of prompt + output tokens
+    min_p: float = 0.0  # drop tokens below min_p x the top probability, in [0, 1]
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) are masked until this many are generated
+    ignore_eos: bool = False  # the model's EOS tokens do not stop the sequence
+    logprobs: int | None = None  # None: off; k: each emitted token's logprob and the k most likely alternatives
 
     def __attrs_post_init__(self) -> None:
         _check(
@@ -49,9 +66,38 @@ class SamplingParams:
             f"stop must be non-empty strings, got {list(self.stop)!r}",
         )
         _check(
-            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-            f"seed must be an integer or None, got {self.seed!r}",
+            self.seed is None
+            or (
+                isinstance(self.seed, int)
+                and not isinstance(self.seed, bool)
+                and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+            ),
+            f"seed must be an integer in [-2**63, 2**63 - 1] or None, got {self.seed!r}",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {value!r}")
+        _check(
+            _is_number(self.repetition_penalty)
+            and math.isfinite(self.repetition_penalty)
+            and self.repetition_penalty > 0,
+            f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}",
+        )
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+            f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}",
+        )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether `adjust_logits` changes anything for this request."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +114,80 @@ class SamplingParams:
         return generator
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@attrs.frozen
+class TokenLogprob:
+    token_id: int
+    logprob: float  # the target's log-softmax at this token
+    top: tuple[tuple[int, float], ...]  # the k most likely (token id, logprob), most likely first
+
+
+def adjust_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    drafted: Sequence[int] = (),
+    stop_ids: Collection[int] = (),
+) -> torch.Tensor:
+    """[R, V] logits → [R, V] with min_tokens and the penalties applied (vLLM's definitions).
+
+    Row r continues prompt_ids + output_ids + drafted[:r] (a verify block's rows follow its
+    drafted tokens), so each row is penalized by exactly the history it would have if the
+    drafts before it are accepted. Returns `logits` itself when nothing applies.
+    """
+    if not params.penalized:
+        return logits
+    rows, vocab = logits.shape
+    device = logits.device
+    out = logits.float().clone()
+    if params.min_tokens and stop_ids:
+        early = torch.arange(rows, device=device) + len(output_ids) < params.min_tokens  # [R]
+        ids = torch.tensor(sorted(t for t in stop_ids if 0 <= t < vocab), dtype=torch.int64, device=device)
+        if ids.numel():
+            out[early.nonzero().flatten()[:, None], ids[None, :]] = float("-inf")
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
+        history = torch.tensor(list(output_ids), dtype=torch.int64, device=device)
+        counts = torch.bincount(history, minlength=vocab).float().expand(rows, vocab).clone()  # [R, V]
+        if rows > 1 and drafted:
+            steps = torch.zeros(rows, vocab, device=device)
+            tail = torch.tensor(list(drafted[: rows - 1]), dtype=torch.int64, device=device)
+            steps[torch.arange(1, len(tail) + 1, device=device), tail] = 1.0
+            counts += steps.cumsum(dim=0)
+        if params.repetition_penalty != 1:
+            seen = counts > 0
+            if len(prompt_ids):
+                seen[:, torch.tensor(list(prompt_ids), dtype=torch.int64, device=device)] = True
+            scaled = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+            out = torch.where(seen, scaled, out)
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
+    """[≥n, V] raw logits, n emitted tokens (row i emitted token_ids[i]) → their log-softmax and top-k."""
+    n = len(token_ids)
+    if n == 0:
+        return []
+    logp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, V]
+    ids = torch.tensor(list(token_ids), dtype=torch.int64, device=logp.device)
+    chosen = logp.gather(1, ids[:, None]).squeeze(1).tolist()
+    if top:
+        values, indices = logp.topk(top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    else:
+        tops = [()] * n
+    return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids, chosen, tops)]
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[R, V] float32 logits → [R, V] the distribution the request samples from (temperature>0)."""
     scores = logits.float() / params.temperature  # [R, V]
@@ -80,6 +200,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p  # mass before this token already enough
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 

@@ -55,7 +55,7 @@ class StopRule:
                 f"at most {max_positions - 1} prompt tokens fit"
             )
         return cls(
-            stop_ids=frozenset(params.stop_token_ids) | frozenset(eos_ids),
+            stop_ids=frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_ids),
             max_new_tokens=min(params.max_tokens, room),
             limited_by_context=room < params.max_tokens,
             watcher=watcher,

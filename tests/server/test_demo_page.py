@@ -104,3 +104,30 @@ def test_narrow_window_has_no_horizontal_scroll_and_keyboard_reaches_the_control
     assert {"max-tokens", "temperature", "start-all", "prompt-1", "Start"} <= focused, focused
     page.screenshot(path=str(ARTIFACTS / "demo-narrow.png"), full_page=True)
     page.close()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_target):
+    engine = AsyncEngine.from_pretrained(tiny_target)
+    app = create_app(engine, ServerSettings(model_name="tiny-keyed", api_key="sk-demo", max_model_len=1024))
+    with BackgroundServer(app) as running:
+        yield running
+
+
+def test_with_an_api_key_the_page_asks_for_it_once_and_streams(keyed_server, browser):
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    asked = []
+    page.on("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept("sk-demo")))
+    page.goto(keyed_server.url + "/")
+    page.wait_for_function("localStorage.getItem('pdflash-api-key') === 'sk-demo'")
+    assert asked == ["This server needs an API key:"]
+    page.reload()  # the key is kept: no second question; max tokens now bounded by the context
+    expect(page.get_by_label("Max tokens")).to_have_attribute("max", "1023")
+    expect(page.locator("#connection")).to_have_text("connected")
+    page.get_by_label("Max tokens").fill("8")
+    page.get_by_role("button", name="Start", exact=True).first.click()
+    expect(page.locator(".pane").nth(0).locator(".status")).to_contain_text("finished: length, 8 tokens")
+    assert asked == ["This server needs an API key:"]
+    page.close()

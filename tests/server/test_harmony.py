@@ -116,16 +116,17 @@ def reply_for(engine):
         board=StatsBoard(engine, ServerMetrics(engine), "tiny", 1.0),
         started=0,
         chat=chat,
+        max_model_len=TINY_GPT_OSS_CONFIG["max_position_embeddings"],
     )
     turn = ChatTurn("", "", chat.family.new_parser(None), chat.end_tokens)
-    return _Reply(state, "r", 0, chat=True, turn=turn)
+    return _Reply(state, "r", 0, chat=True, ids=["r"], logprobs=False, turns=[turn])
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("step", [1, 3, 7])
 async def test_streamed_chat_sends_reasoning_and_content_deltas(tokenizer, step):
     engine = ScriptedEngine(tokenizer, [COMPLETION[i : i + step] for i in range(0, len(COMPLETION), step)])
-    events = [e async for e in reply_for(engine).events(engine.stream(), include_usage=False)]
+    events = [e async for e in reply_for(engine).events([engine.stream()], include_usage=False)]
     chunks = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
@@ -139,7 +140,7 @@ async def test_streamed_chat_sends_reasoning_and_content_deltas(tokenizer, step)
 @pytest.mark.anyio
 async def test_whole_chat_message_has_reasoning_content(tokenizer):
     engine = ScriptedEngine(tokenizer, [COMPLETION[:20], COMPLETION[20:]])
-    body = await reply_for(engine).whole(engine.stream())
+    body = await reply_for(engine).whole([engine.stream()])
     assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}
 
 

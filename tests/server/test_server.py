@@ -137,14 +137,16 @@ def test_stop_string_ends_the_text_before_it(client):
         ({"prompt": "hi", "top_k": -3}, 400, "top_k", None),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
         ({"prompt": "hi", "seed": 1.5}, 400, "seed", None),
-        ({"prompt": "hi", "n": 2}, 400, "n", None),
+        ({"prompt": "hi", "n": 17}, 400, "n", None),
+        ({"prompt": "hi", "seed": 2**64, "temperature": 1}, 400, "seed", None),
         ({"prompt": "hi", "stream": "yes"}, 400, "stream", None),
         ({"prompt": "hi", "frobnicate": True}, 400, "frobnicate", None),
         ({"prompt": ""}, 400, "prompt", None),
         ({"prompt": [1, 99999]}, 400, "prompt", None),
         ({"prompt": ["a", "b"]}, 400, "prompt", None),
-        ({"prompt": [5] * 2048}, 400, "prompt", None),  # no room left in the 2048-token context
-        ({"prompt": [5] * 2044, "max_tokens": 5000}, 200, None, None),  # clipped to the context's 4 tokens left
+        ({"prompt": [5] * 2048}, 400, "prompt", "context_length_exceeded"),  # no room left in the 2048-token context
+        ({"prompt": [5] * 2044, "max_tokens": 5}, 400, "max_tokens", "context_length_exceeded"),
+        ({"prompt": [5] * 2044, "max_tokens": 4}, 200, None, None),  # exactly the 4 tokens left
     ],
 )
 def test_bad_completion_requests_get_openai_errors_and_the_server_keeps_serving(http, body, status, param, code):
@@ -166,7 +168,8 @@ def test_bad_completion_requests_get_openai_errors_and_the_server_keeps_serving(
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_bad_chat_requests_name_the_field(http, body, param):
@@ -337,19 +340,23 @@ def test_websocket_duplicate_running_id_is_refused_and_chat_messages_work(server
         ws.send(json.dumps(start))
         deltas, done, others = receive_until_done(ws, ["dup"])
         errors = [m for m in others if m["type"] == "error"]
-        assert [e["code"] for e in errors] == ["duplicate_id"] and errors[0]["id"] == "dup"
+        # the error carries no id: "dup" gets exactly one final message, its own done
+        assert [e["code"] for e in errors] == ["duplicate_id"] and errors[0]["id"] is None
         assert done["dup"]["finish_reason"] == "length" and done["dup"]["metrics"]["generated_tokens"] == 40
         ws.send(json.dumps({**start, "params": {"max_tokens": 2}}))  # finished ids may be reused
         assert receive_until_done(ws, ["dup"])[1]["dup"]["metrics"]["generated_tokens"] == 2
 
 
 def test_closing_a_websocket_aborts_its_generations(server, http):
+    aborted = sample(metric_samples(http), "pdflash_ws_generations_total", outcome="abort")
     with connect(server.ws_url) as ws:
         for i in range(3):
             ws.send(json.dumps({"type": "start", "id": i, "prompt": "long", "params": {"max_tokens": 1500}}))
         while json.loads(ws.recv(timeout=10))["type"] != "delta":
             pass
     assert wait_until_idle(http, 5.0)["live_sequences"] == 0
+    # generations ended by the socket closing are counted too (issue 20, finding 6)
+    assert sample(metric_samples(http), "pdflash_ws_generations_total", outcome="abort") == aborted + 3
 
 
 # -- /metrics -------------------------------------------------------------------------------

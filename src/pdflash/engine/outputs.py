@@ -11,6 +11,7 @@ from __future__ import annotations
 import anyio
 import attrs
 
+from pdflash.sampling import TokenLogprob
 from pdflash.target.tokenizer import TextTokenizer
 
 REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
@@ -40,10 +41,16 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     metrics: RequestMetrics  # as of this delta
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asked for logprobs
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later`, as one delta."""
-        return attrs.evolve(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text)
+        return attrs.evolve(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+        )
 
 
 class TextStream:

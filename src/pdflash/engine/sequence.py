@@ -126,10 +126,13 @@ class Sequence:
 
     def _put(self, token_ids: tuple[int, ...], finish_reason: str | None) -> None:
         final = finish_reason is not None
+        logprobs = self.session.logprobs if self.session is not None else []
+        first = self.streamed - len(token_ids)  # session.logprobs runs parallel to the streamed tokens
         self.mailbox.put(
             RequestOutput(
                 request_id=self.request_id,
                 token_ids=token_ids,
+                logprobs=tuple(logprobs[first : first + len(token_ids)]),
                 text=self.text.take(final),
                 finished=final,
                 finish_reason=finish_reason,

@@ -25,11 +25,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from pdflash.server import protocol
+from pdflash.server.auth import AccessMiddleware
 from pdflash.server.chat import ChatSetup
 from pdflash.server.completions import CompletionRoutes
 from pdflash.server.errors import SERVER_ERROR, APIError
 from pdflash.server.metrics import ServerMetrics, StatsBoard, endpoint_label
 from pdflash.server.state import ServerSettings, ServerState
+from pdflash.server.tokenize import TokenizeRoutes
 from pdflash.server.websocket import websocket_endpoint
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,11 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
     """An ASGI app serving `engine` (an AsyncEngine not yet entered; the app's lifespan runs it once)."""
     settings = settings or ServerSettings()
     metrics = ServerMetrics(engine)
+    context = engine.speculator.target.config.max_positions
+    if settings.max_model_len is not None and settings.max_model_len > context:
+        raise ValueError(
+            f"max_model_len={settings.max_model_len} is larger than the model's context of {context} tokens"
+        )
     state = ServerState(
         engine=engine,
         settings=settings,
@@ -48,8 +55,10 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
         started=protocol.now(),
         board=StatsBoard(engine, metrics, settings.model_name, settings.stats_interval_s),
         chat=ChatSetup.create(engine.tokenizer, template_file=settings.chat_template, parser=settings.chat_parser),
+        max_model_len=settings.max_model_len or context,
     )
     completions = CompletionRoutes(state)
+    tokenize = TokenizeRoutes(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -72,11 +81,12 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
         return JSONResponse(body, status_code=200 if engine.running else 503)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [protocol.model_card(settings.model_name, state.started)]})
+        card = protocol.model_card(settings.model_name, state.started, state.max_model_len)
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def model(request: Request) -> Response:
         protocol.check_model(request.path_params["name"], settings.model_name)
-        return JSONResponse(protocol.model_card(settings.model_name, state.started))
+        return JSONResponse(protocol.model_card(settings.model_name, state.started, state.max_model_len))
 
     async def prometheus(request: Request) -> Response:
         return Response(metrics.exposition(), media_type=PROMETHEUS_TEXT)
@@ -92,14 +102,22 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+        Route("/version", tokenize.version, methods=["GET"]),
         WebSocketRoute("/ws", ws),
         Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
     ]
+    # each handler takes its own exception type; Starlette's annotation says Exception for all
+    handlers: dict[Any, Any] = {APIError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(RequestMetricsMiddleware, metrics=metrics)],
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        middleware=[
+            Middleware(RequestMetricsMiddleware, metrics=metrics),
+            Middleware(AccessMiddleware, api_key=settings.api_key, allowed_origins=settings.allowed_origins),
+        ],
+        exception_handlers=handlers,
     )
     app.state.pdflash = state
     return app
@@ -116,7 +134,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         message = f"{request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return APIError(exc.status_code, message, headers=exc.headers).response()
+    return APIError(exc.status_code, message, headers=dict(exc.headers) if exc.headers else None).response()
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

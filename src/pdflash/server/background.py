@@ -13,6 +13,16 @@ from typing import Any
 
 import uvicorn
 
+from pdflash.server.shutdown import GracefulServer
+
+
+def server_config(app: Any, **options: Any) -> uvicorn.Config:
+    """uvicorn settings for a pdflash app: its websocket message limit, lifespan on."""
+    state = getattr(getattr(app, "state", None), "pdflash", None)
+    if state is not None:
+        options.setdefault("ws_max_size", state.settings.limits.max_ws_message_bytes)
+    return uvicorn.Config(app, lifespan="on", **options)
+
 
 class BackgroundServer:
     """`with BackgroundServer(app) as server: requests to server.url ...` (stops on exit)."""
@@ -28,9 +38,9 @@ class BackgroundServer:
     ) -> None:
         self.app, self.host, self.port = app, host, port
         self.startup_timeout_s = startup_timeout_s
-        # uvicorn installs no signal handlers off the main thread; shutdown waits at most 5 s for open streams
-        self.config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(self.config)
+        # uvicorn installs no signal handlers off the main thread; stop() drains like SIGTERM does
+        self.config = server_config(app, log_level=log_level, timeout_graceful_shutdown=5)
+        self.server = GracefulServer(self.config)
         self._thread: threading.Thread | None = None
 
     @property

@@ -4,8 +4,10 @@ Owns one connection's life: reading and validating client messages (start, cance
 task per running generation, a single writer (so messages never interleave), and the
 periodic engine-wide `stats` message. Protocol: docs/websocket.md. A malformed message
 gets an `error` message and the socket stays open; a generation ends with exactly one
-`done` or one `error` carrying its id. Must not touch engine internals: it calls
-`engine.generate()` and closes the stream to abort.
+`done` or one `error` carrying its id. With an API key, the socket is authenticated by
+its query string (`?api_key=KEY`), an `Authorization: Bearer` header, or a first message
+`{"type": "auth", "api_key": KEY}` (server/auth.py). Must not touch engine internals: it
+calls `engine.generate()` and closes the stream to abort.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import itertools
 import json
 import logging
+from collections.abc import Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -22,15 +25,21 @@ import anyio.abc
 from starlette.websockets import WebSocket
 
 from pdflash.chat.deltas import EMPTY
+from pdflash.sampling import SamplingParams
 from pdflash.server import protocol
+from pdflash.server.auth import websocket_authenticated
 from pdflash.server.chat import CHAT_FIELDS, ChatTurn, delta_body, parse_chat_request, prepare_turn
 from pdflash.server.errors import APIError, from_engine_error, invalid
+from pdflash.server.limits import loads, off_loop
 from pdflash.server.metrics import RequestTracker
+from pdflash.server.prompts import encode, fit_context, request_defaults
 from pdflash.server.state import ServerState
 
 log = logging.getLogger(__name__)
 OUTBOX = 256  # messages queued for the writer; generations wait (their engine mailbox merges) when full
 START_FIELDS = {"type", "id", "prompt", "params"} | CHAT_FIELDS
+WS_PARAMS = {*protocol.SAMPLING_TYPES, "logprobs"}
+POLICY_VIOLATION = 1008  # websocket close code: not authenticated
 _connections = itertools.count()
 
 
@@ -45,11 +54,15 @@ class WebSocketSession:
         self.name = f"ws{next(_connections)}"
         self.requests = itertools.count()
         self.running: dict[str, anyio.CancelScope] = {}  # json.dumps(client id) -> the generation's scope
-        self.outbox, self._outbox_reader = anyio.create_memory_object_stream[dict](OUTBOX)
+        # (message, request id whose final message it is, or None)
+        self.outbox, self._outbox_reader = anyio.create_memory_object_stream[tuple[dict, str | None]](OUTBOX)
         self.tasks: anyio.abc.TaskGroup | None = None
+        self.opened: set[str] = set()  # engine requests started here (state.streams counts them until final)
 
     async def run(self) -> None:
         await self.websocket.accept()
+        if not await websocket_authenticated(self.state.settings.api_key, self.websocket):
+            return
         self.state.metrics.ws_connections.inc()
         try:
             async with anyio.create_task_group() as tasks:
@@ -60,6 +73,8 @@ class WebSocketSession:
                 tasks.cancel_scope.cancel()  # running generations close their streams: the engine aborts them
         finally:
             self.state.metrics.ws_connections.dec()
+            for request_id in self.opened:  # a final message that could not go out: the client is gone
+                self.state.streams.close(request_id)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -70,11 +85,11 @@ class WebSocketSession:
                 return
             msg_id = None
             try:
-                msg = _decode(message)
+                msg = await _decode(message, self.state.settings.limits.max_json_depth)
                 msg_id = msg.get("id")
                 kind = msg.get("type")
                 if kind == "start":
-                    self._start(msg)
+                    await self._start(msg)
                 elif kind == "cancel":
                     self._cancel(msg)
                 else:
@@ -86,7 +101,8 @@ class WebSocketSession:
                 self.state.metrics.ws_messages.labels(type=kind).inc()
             except APIError as error:
                 self.state.metrics.ws_messages.labels(type="invalid").inc()
-                await self._post(_error(error, msg_id))
+                # a duplicate_id error carries no id: that id's running generation still ends with its own done
+                await self._post(_error(error, None if error.code == "duplicate_id" else msg_id))
             except Exception as error:  # a bug: report it, keep the socket and the server
                 log.exception("websocket message handling failed")
                 await self._post(
@@ -99,7 +115,9 @@ class WebSocketSession:
                     }
                 )
 
-    def _start(self, msg: dict[str, Any]) -> None:
+    async def _start(self, msg: dict[str, Any]) -> None:
+        if self.state.streams.draining:
+            raise invalid("the server is shutting down", code="shutting_down")
         unknown = sorted(set(msg) - START_FIELDS)
         if unknown:
             raise invalid(
@@ -121,36 +139,45 @@ class WebSocketSession:
                 f"(max {self.state.settings.max_ws_generations}); wait for one to finish",
                 code="too_many_generations",
             )
-        prompt, turn = self._prompt(msg)
         params = msg.get("params") or {}
         if not isinstance(params, dict):
             raise invalid(
                 f"params must be an object, got {json.dumps(params)[:200]}", param="params", code="invalid_params"
             )
-        unknown = sorted(set(params) - set(protocol.SAMPLING_TYPES))
+        unknown = sorted(set(params) - WS_PARAMS)
         if unknown:
             raise invalid(
-                f"unknown sampling parameter {unknown[0]!r}; valid: {sorted(protocol.SAMPLING_TYPES)}",
+                f"unknown sampling parameter {unknown[0]!r}; valid: {sorted(WS_PARAMS)}",
                 param=f"params.{unknown[0]}",
                 code="invalid_params",
             )
-        try:
-            sampling = protocol.sampling_params(params, default_max_tokens=self.state.settings.default_max_tokens)
-        except APIError as error:
-            raise invalid(
-                error.message, param=f"params.{error.param}" if error.param else "params", code="invalid_params"
-            ) from None
+        sampling = _sampling(params, request_defaults(self.state))
+        # this socket's next message waits while a long prompt is encoded (on a worker thread)
+        prompt, turn = await self._prompt(msg)
+        prompt_ids = await encode(self.state, prompt)
+        sampling = fit_context(
+            self.state,
+            len(prompt_ids),
+            sampling,
+            max_tokens_given=params.get("max_tokens") is not None,
+            names={"max_tokens": "params.max_tokens"},
+        )
         request_id = f"{self.name}-{next(self.requests)}"
         try:
-            stream = self.state.engine.generate(prompt, sampling, request_id=request_id)
+            stream = self.state.engine.generate(prompt_ids, sampling, request_id=request_id)
         except Exception as error:
             param_of = {f: f"params.{f}" for f in protocol.SAMPLING_TYPES} | {"prompt": "prompt"}
             raise from_engine_error(error, param_of=param_of) from None
         scope = anyio.CancelScope()
         self.running[key] = scope
+        self.state.streams.open(request_id)  # until its done / error has been sent
+        self.opened.add(request_id)
+        if self.state.streams.draining:  # shutdown began while the prompt was encoded: it ends at once ("abort")
+            await self.state.engine.abort(request_id)
+        assert self.tasks is not None  # set by run() before it reads messages
         self.tasks.start_soon(self._generate, gen_id, key, request_id, stream, scope, turn)
 
-    def _prompt(self, msg: dict[str, Any]) -> tuple[str | list[int], ChatTurn | None]:
+    async def _prompt(self, msg: dict[str, Any]) -> tuple[str | list[int], ChatTurn | None]:
         if ("prompt" in msg) == ("messages" in msg):
             raise invalid(
                 'a start message needs exactly one of "prompt" (text or token ids) or "messages"',
@@ -158,7 +185,9 @@ class WebSocketSession:
                 code="invalid_message",
             )
         if "messages" in msg:
-            turn = prepare_turn(self.state.chat, parse_chat_request(msg), streaming=True)
+            request = parse_chat_request(msg)
+            size = sum(len(str(m.get("content") or "")) for m in request.messages)
+            turn = await off_loop(size, lambda: prepare_turn(self.state.chat, request, streaming=True))
             return turn.prompt, turn
         chat_only = sorted(set(msg) & (CHAT_FIELDS - {"messages"}))
         if chat_only:
@@ -193,79 +222,94 @@ class WebSocketSession:
                         if turn is not None:
                             parsed += turn.feed(out) + (turn.finish() if out.finished else EMPTY)
                         if out.token_ids or out.text or not parsed.empty:
-                            chat = {"delta": delta_body(parsed)} if turn is not None else {}
-                            parsed = EMPTY
-                            await self._post(
-                                {
-                                    "type": "delta",
-                                    "id": gen_id,
-                                    "text": out.text,
-                                    "token_ids": list(out.token_ids),
-                                    "acceptance_length": delta.acceptance_lengths[-1]
-                                    if delta.acceptance_lengths
-                                    else None,
-                                    "acceptance_lengths": list(delta.acceptance_lengths),
-                                    "expert_bytes": delta.expert_bytes,
-                                    "fetch_bytes": delta.fetch_bytes,
-                                    "generated_tokens": tracker.tokens,
-                                    **chat,
-                                }
-                            )
+                            message = _delta(gen_id, out, delta, tracker.tokens)
+                            if turn is not None:
+                                message["delta"], parsed = delta_body(parsed), EMPTY
+                            await self._post(message)
         except Exception as error:  # this request failed in the engine
             failure = error
         finally:
             self.running.pop(key, None)  # before `done` goes out, so the client may reuse the id at once
             await self.state.release(request_id)
-        if failure is not None:
-            self.state.metrics.ws_generations.labels(outcome="error").inc()
-            await self._post(
-                {
-                    "type": "error",
-                    "id": gen_id,
-                    "code": "generation_failed",
-                    "param": None,
-                    "message": f"generation failed: {failure}",
-                }
+            # counted here, so a generation ended by the socket closing (this task cancelled) counts too
+            reason = (
+                "error" if failure is not None else out.finish_reason if out is not None and out.finished else "abort"
             )
+            reason = turn.finish_reason(reason) if turn is not None else reason
+            self.state.metrics.ws_generations.labels(outcome=reason).inc()
+        if failure is not None:
+            body = {"code": "generation_failed", "param": None, "message": f"generation failed: {failure}"}
+            await self._post({"type": "error", "id": gen_id, **body}, request_id)
             return
-        reason = out.finish_reason if out is not None and out.finished else "abort"
-        reason = turn.finish_reason(reason) if turn is not None else reason
-        self.state.metrics.ws_generations.labels(outcome=reason).inc()
         metrics = tracker.summary(out) if out is not None else {"generated_tokens": 0}
-        await self._post({"type": "done", "id": gen_id, "finish_reason": reason, "metrics": metrics})
+        await self._post({"type": "done", "id": gen_id, "finish_reason": reason, "metrics": metrics}, request_id)
 
     # -- writing --------------------------------------------------------------------------
 
-    async def _post(self, message: dict[str, Any]) -> None:
-        await self.outbox.send(message)
+    async def _post(self, message: dict[str, Any], final_of: str | None = None) -> None:
+        """Queue `message` for the writer; `final_of`: the request whose last message it is."""
+        await self.outbox.send((message, final_of))
 
     async def _write(self) -> None:
         try:
-            async for message in self._outbox_reader:
+            async for message, final_of in self._outbox_reader:
                 await self.websocket.send_text(json.dumps(message, separators=(",", ":")))
+                if final_of is not None:
+                    self.state.streams.close(final_of)
+                    self.opened.discard(final_of)
         except Exception:  # the client is gone (or the transport broke): end the session
+            assert self.tasks is not None
             self.tasks.cancel_scope.cancel()
 
     async def _send_stats(self) -> None:
         while True:
             with contextlib.suppress(anyio.WouldBlock):  # the client is behind: the next one is newer anyway
-                self.outbox.send_nowait(self.state.board.current())
+                self.outbox.send_nowait((self.state.board.current(), None))
             await anyio.sleep(self.state.settings.stats_interval_s)
 
 
-def _decode(message: dict[str, Any]) -> dict[str, Any]:
+async def _decode(message: Mapping[str, Any], max_depth: int) -> dict[str, Any]:
     text = message.get("text")
     if text is None:
         raise invalid("binary frames are not part of the protocol; send JSON text", code="invalid_message")
-    try:
-        msg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise invalid(f"the message is not valid JSON ({exc})", code="invalid_json") from None
+    msg = await off_loop(len(text), lambda: loads(text, max_depth))
     if not isinstance(msg, dict):
         raise invalid(
             f'a message must be a JSON object with a "type", got {type(msg).__name__}', code="invalid_message"
         )
     return msg
+
+
+def _delta(gen_id: Any, out: Any, delta: Any, generated_tokens: int) -> dict[str, Any]:
+    message = {
+        "type": "delta",
+        "id": gen_id,
+        "text": out.text,
+        "token_ids": list(out.token_ids),
+        "acceptance_length": delta.acceptance_lengths[-1] if delta.acceptance_lengths else None,
+        "acceptance_lengths": list(delta.acceptance_lengths),
+        "expert_bytes": delta.expert_bytes,
+        "fetch_bytes": delta.fetch_bytes,
+        "generated_tokens": generated_tokens,
+    }
+    if out.logprobs:  # the start asked for params.logprobs
+        message["logprobs"] = [
+            {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in out.logprobs
+        ]
+    return message
+
+
+def _sampling(params: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from a start message's `params` (`logprobs`: an integer, as in /v1/completions)."""
+    try:
+        logprobs = params.get("logprobs")
+        if logprobs is not None and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)):
+            raise invalid(f"logprobs must be an integer, got {json.dumps(logprobs)[:200]}", param="logprobs")
+        return protocol.sampling_params(params, defaults=defaults, logprobs=logprobs)
+    except APIError as error:
+        raise invalid(
+            error.message, param=f"params.{error.param}" if error.param else "params", code="invalid_params"
+        ) from None
 
 
 def _client_id(msg: dict[str, Any]) -> tuple[Any, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from pdflash.sampling import SamplingParams
+from pdflash.sampling import SamplingParams, TokenLogprob
 from pdflash.spec.projection import ProjectionQuality
 from pdflash.stopping import StopRule
 from pdflash.target.experts import ExpertKey
@@ -72,6 +72,7 @@ class SpecSession:
     anchor: int  # last emitted token, not yet in the target cache
     start: int  # absolute position of the anchor
     emitted: list[int]
+    logprobs: list[TokenLogprob]  # parallel to emitted when params.logprobs is set, else empty
     last_union: frozenset[ExpertKey]
     finish_reason: str | None = None
     pending: DraftResult | None = None
@@ -125,6 +126,7 @@ class SpecSession:
         for name, value in snapshot.fields.items():
             setattr(self, name, value)
         del self.emitted[snapshot.emitted :]
+        del self.logprobs[snapshot.emitted :]
         del self.trace[snapshot.rounds :]
         self.target_cache.crop(snapshot.target_length)
         if self.draft_cache is not None and snapshot.draft_length is not None:

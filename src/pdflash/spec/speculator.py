@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from pdflash.measure import tokens_per_second
-from pdflash.sampling import SamplingParams, sample
+from pdflash.sampling import SamplingParams, adjust_logits, sample, token_logprobs
 from pdflash.spec.drafter import DFlashDrafter
 from pdflash.spec.projection import ProjectionQuality, make_projector, routed_union, union_bytes
 from pdflash.spec.session import DraftResult, RoundOrderError, RoundTrace, SpecSession, VerifyResult
@@ -82,7 +82,9 @@ class Speculator:
         sessions = []
         for i, ((prompt, params), rule) in enumerate(zip(requests, rules)):
             generator = params.generator(self.target.device)
-            first = int(sample(out.logits[i : i + 1], params, generator)[0])
+            logits = out.logits[i : i + 1]  # [1, V]
+            adjusted = adjust_logits(logits, params, prompt_ids=prompt, output_ids=(), stop_ids=rule.stop_ids)
+            first = int(sample(adjusted, params, generator)[0])
             kept, finish = rule.clip(0, [first])
             recent = out.split(out.routed)[i][-self.block_size :]
             sessions.append(
@@ -97,6 +99,7 @@ class Speculator:
                     anchor=first,
                     start=len(prompt),
                     emitted=kept,
+                    logprobs=token_logprobs(logits, kept, params.logprobs) if params.logprobs is not None else [],
                     finish_reason=finish,
                     last_union=routed_union(recent, cfg.moe_layer_ids),
                 )
@@ -168,10 +171,20 @@ class Speculator:
         ]
 
     def _accept(self, s: SpecSession, block, logits, routed, taps, verify_s: float) -> VerifyResult:
-        posterior = sample(logits, s.params, s.generator).cpu()  # [b] target's token after each block position
+        adjusted = adjust_logits(  # row j continues the drafts before it
+            logits,
+            s.params,
+            prompt_ids=s.prompt_ids,
+            output_ids=s.emitted,
+            drafted=block[1:].tolist(),
+            stop_ids=s.rule.stop_ids,
+        )
+        posterior = sample(adjusted, s.params, s.generator).cpu()  # [b] target's token after each block position
         matches = (block[1:] == posterior[:-1]).int().cumprod(dim=0)  # [b-1]
         accepted = int(matches.sum())
         kept, finish = s.rule.clip(len(s.emitted), block[1 : accepted + 1].tolist() + [int(posterior[accepted])])
+        if s.params.logprobs is not None:  # emitted token k was sampled from row k (the raw logits)
+            s.logprobs += token_logprobs(logits, kept, s.params.logprobs)
         s.emitted += kept
         s.target_cache.crop(s.start + accepted + 1)
         s.context = taps[: accepted + 1] if taps is not None else None

@@ -82,36 +82,46 @@ class ModelConfig:
                     return raw[name]
             raise CheckpointError(f"{source}: missing required field {key!r}")
 
-        num_layers = int(need("num_hidden_layers"))
-        num_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        num_experts = int(need("num_experts", "num_local_experts"))
-        sparse_step = int(raw.get("decoder_sparse_step", 1))
+        def number(key: str, value: Any, kind: type) -> Any:
+            """`value` of field `key` as int or float; anything else names the file and the field."""
+            ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+            if isinstance(value, bool) or not ok:
+                raise CheckpointError(
+                    f"{source}: field {key!r} must be {'an integer' if kind is int else 'a number'}, "
+                    f"got {json.dumps(value)[:80]}"
+                )
+            return kind(value)
+
+        num_layers = number("num_hidden_layers", need("num_hidden_layers"), int)
+        num_heads = number("num_attention_heads", need("num_attention_heads"), int)
+        hidden = number("hidden_size", need("hidden_size"), int)
+        num_experts = number("num_experts", need("num_experts", "num_local_experts"), int)
+        sparse_step = number("decoder_sparse_step", raw.get("decoder_sparse_step", 1), int)
         mlp_only = set(raw.get("mlp_only_layers") or [])
         moe_layers = tuple(
             i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0 for i in range(num_layers)
         )
-        top_k = int(need("num_experts_per_tok"))
+        top_k = number("num_experts_per_tok", need("num_experts_per_tok"), int)
         if any(moe_layers) and not 0 < top_k <= num_experts:
             raise CheckpointError(f"{source}: num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
-            vocab_size=int(need("vocab_size")),
+            vocab_size=number("vocab_size", need("vocab_size"), int),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
-            dense_intermediate_size=int(need("intermediate_size")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_kv_heads=number("num_key_value_heads", raw.get("num_key_value_heads") or num_heads, int),
+            head_dim=number("head_dim", raw.get("head_dim") or hidden // num_heads, int),
+            dense_intermediate_size=number("intermediate_size", need("intermediate_size"), int),
+            moe_intermediate_size=number("moe_intermediate_size", need("moe_intermediate_size"), int),
             num_experts=num_experts,
             top_k=top_k,
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             moe_layers=moe_layers,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=number("rms_norm_eps", raw.get("rms_norm_eps", 1e-6), float),
             rope=rope_config(raw, source),
-            max_positions=int(need("max_position_embeddings")),
+            max_positions=number("max_position_embeddings", need("max_position_embeddings"), int),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             eos_token_ids=eos_ids,

@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from pdflash.measure import tokens_per_second
-from pdflash.sampling import SamplingParams, sample
+from pdflash.sampling import SamplingParams, adjust_logits, sample
 from pdflash.stopping import StopRule
 from pdflash.target.model import Qwen3MoeModel
 
@@ -32,6 +32,7 @@ def generate_autoregressive(model: Qwen3MoeModel, prompt_ids: list[int], params:
     first_token_at: float | None = None
     while finish is None:
         logits = model.forward([step], [cache], last_logits_only=True).logits  # [1, V]
+        logits = adjust_logits(logits, params, prompt_ids=prompt_ids, output_ids=emitted, stop_ids=rule.stop_ids)
         token = int(sample(logits, params, generator)[0])
         first_token_at = first_token_at or time.perf_counter()
         kept, finish = rule.clip(len(emitted), [token])

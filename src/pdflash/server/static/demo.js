@@ -32,16 +32,49 @@ const formatPercent = (x) => (x === null || x === undefined ? "–" : `${(100 * 
 
 // -- the websocket -----------------------------------------------------------------------
 
+// With `pdflash serve --api-key`, the page asks for the key once (kept in this browser's
+// localStorage) and sends it as the socket's first message; the page itself needs no key.
+function apiKey() {
+  const params = new URLSearchParams(location.search);
+  if (params.get("api_key")) localStorage.setItem("pdflash-api-key", params.get("api_key"));
+  return localStorage.getItem("pdflash-api-key");
+}
+
+// The max-tokens field is bounded by the served model's context (/v1/models' max_model_len).
+function boundMaxTokens() {
+  const key = apiKey();
+  fetch("/v1/models", { headers: key ? { Authorization: `Bearer ${key}` } : {} })
+    .then((r) => (r.ok ? r.json() : null))
+    .then((body) => {
+      const limit = body && body.data && body.data[0] && body.data[0].max_model_len;
+      if (!limit) return;
+      const field = $("max-tokens");
+      field.max = String(limit - 1);
+      if (parseInt(field.value, 10) > limit - 1) field.value = String(limit - 1);
+    })
+    .catch(() => {});
+}
+
 function connect() {
   const scheme = location.protocol === "https:" ? "wss" : "ws";
   socket = new WebSocket(`${scheme}://${location.host}/ws`);
   setConnection("connecting…", "");
   socket.addEventListener("open", () => {
+    const key = apiKey();
+    if (key) socket.send(JSON.stringify({ type: "auth", api_key: key }));
     retryDelayMs = 500;
     setConnection("connected", "up");
     updateButtons();
   });
-  socket.addEventListener("message", (event) => handle(JSON.parse(event.data)));
+  socket.addEventListener("message", (event) => {
+    const message = JSON.parse(event.data);
+    if (message.type === "error" && message.code === "invalid_api_key") {
+      const key = prompt("This server needs an API key:");
+      if (key) localStorage.setItem("pdflash-api-key", key);
+      return;
+    }
+    handle(message);
+  });
   socket.addEventListener("close", () => {
     setConnection("disconnected — reconnecting", "down");
     for (const pane of running.values()) finish(pane, "connection lost", true);
@@ -239,5 +272,6 @@ document.addEventListener("DOMContentLoaded", () => {
   $("add-pane").addEventListener("click", () => addPane("").prompt.focus());
   $("start-all").addEventListener("click", () => { for (const pane of panes.values()) start(pane); });
   $("stop-all").addEventListener("click", () => { for (const pane of panes.values()) stop(pane); });
+  boundMaxTokens();
   connect();
 });
