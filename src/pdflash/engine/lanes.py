@@ -55,6 +55,11 @@ class Lane:
         self.busy_seconds = 0.0  # wall time spent inside calls
         self.calls = 0
 
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream every call runs on (None off CUDA)."""
+        return self._stream
+
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the lane and await its result (its exception is raised here)."""
         return await asyncio.wrap_future(self.submit(fn, *args))

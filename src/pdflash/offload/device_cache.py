@@ -147,7 +147,9 @@ class OffloadedExperts:
         self._table: dict[ExpertKey, _Entry] = {}
         self._free = list(range(S - 1, -1, -1))
         self._claimed: dict[int, set[ExpertKey]] = {}  # layer -> claimed keys
-        self._readers: dict[int, list[torch.cuda.Event]] = {}  # CUDA: slot -> compute done with it
+        # CUDA: slot -> compute stream -> the last event after which that stream is done with the slot
+        # (one per stream, not one per unpin: an expert that is never evicted would gather events forever)
+        self._readers: dict[int, dict[torch.cuda.Stream, torch.cuda.Event]] = {}
         self._counters = _Counters()
         self._closed = False
         self.lane = PrefetchLane(self.device)
@@ -321,9 +323,10 @@ class OffloadedExperts:
         for entry in entries:
             entry.pins -= 1
             if self.device.type == "cuda" and entry.state is EntryState.READY:
+                stream = torch.cuda.current_stream(self.device)
                 done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-                self._readers.setdefault(entry.slot, []).append(done)
+                done.record(stream)
+                self._readers.setdefault(entry.slot, {})[stream] = done
         self._cond.notify_all()
 
     def _as_wave(self, entries: list[_Entry]) -> ExpertWave:
@@ -414,13 +417,21 @@ class OffloadedExperts:
         slot = entry.slot
         if self.device.type == "cuda":
             with self._cond:
-                readers = self._readers.pop(slot, [])
+                readers = self._readers.pop(slot, {})
             lane_stream = torch.cuda.current_stream(self.device)
-            for done in readers:  # forwards that computed on the slot's previous expert
+            for done in readers.values():  # forwards that computed on the slot's previous expert
                 lane_stream.wait_event(done)
-        self.gate[slot].copy_(host.gate, non_blocking=True)
-        self.up[slot].copy_(host.up, non_blocking=True)
-        self.down[slot].copy_(host.down, non_blocking=True)
+        for slot_tensor, stored in (
+            (self.gate[slot], host.gate),
+            (self.up[slot], host.up),
+            (self.down[slot], host.down),
+        ):
+            if slot_tensor.dtype != stored.dtype:
+                # carry the stored bytes as they are (asynchronous from pinned memory) and convert on
+                # the device: copy_ across devices and dtypes would convert on the host into a pageable
+                # temporary first, a synchronous CPU pass over every fetched expert
+                stored = stored.to(self.device, non_blocking=True)
+            slot_tensor.copy_(stored, non_blocking=True)
         if self.device.type == "cuda":
             entry.loaded = torch.cuda.Event()
             entry.loaded.record(torch.cuda.current_stream(self.device))
