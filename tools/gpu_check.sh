@@ -20,7 +20,16 @@
 #   OUT=/some/dir tools/gpu_check.sh      PYTHON=python3.12  GPU_CHECK_TOTAL_S=480
 set -uo pipefail
 cd "$(dirname "$0")/.."
-py=${PYTHON:-python3}
+py=${PYTHON:-}
+if [ -z "$py" ]; then  # the first interpreter that has torch: the machine's own
+  for candidate in python3 python3.12 python; do
+    if "$candidate" -c "import torch" >/dev/null 2>&1; then
+      py=$candidate
+      break
+    fi
+  done
+  py=${py:-python3}
+fi
 total_s=${GPU_CHECK_TOTAL_S:-480}
 reserve_s=15  # kept for the summary
 started=$SECONDS
@@ -39,6 +48,9 @@ stages=$OUT/stages.jsonl
 target=src/pdflash/models/pdflash-moe-code
 drafter=src/pdflash/models/pdflash-moe-code-dflash
 export TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+if ! mkdir -p "${HOME:-/nonexistent}/.triton/cache" 2>/dev/null; then
+  export TRITON_CACHE_DIR=$work/triton-cache  # triton compiles into its cache: somewhere writable
+fi
 
 record() {  # record STAGE STATUS RC SECONDS NOTE: one JSON line in stages.jsonl
   "$py" -c 'import json, sys; n, s, rc, sec, note = sys.argv[1:]
@@ -87,7 +99,7 @@ else
 fi
 
 if [ "$cuda" = 1 ]; then
-  stage cuda-tests 270 "$py" -m pytest tests/cuda -m cuda -p no:cacheprovider -q -rfEs \
+  stage cuda-tests 270 "$py" -m pytest tests/cuda -m cuda -p no:cacheprovider -v -rfEs --durations=15 \
     --junitxml="$OUT/cuda-tests.xml"
   stage bench-kernels 90 "$py" benchmarks/bench_kernels.py --tokens 8 64 256 512 --json "$OUT/bench-kernels.json"
 else  # collected and skipped here: imports and markers still checked

@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 site=${1:?usage: tools/gpu_install.sh SITE}
 py=${PYTHON:-python3}
 mkdir -p "$site"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1  # no network: never ask PyPI
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 
 missing=$("$py" - tools/gpu_wheels.txt <<'PYEOF'
@@ -41,9 +42,9 @@ if [ -n "$missing" ]; then
     "$py" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$site" "${wheels[@]}"
   fi
 fi
-if [ "$have_pip" = 1 ]; then
-  "$py" -m pip install --no-index --no-deps --no-build-isolation --upgrade --target "$site" .
-else  # what the package mapping in pyproject.toml installs: src/pdflash, with kernels/ as pdflash.kernels
+if [ "$have_pip" = 0 ] || ! "$py" -m pip install --no-index --no-deps --no-build-isolation --upgrade --target "$site" .
+then  # no pip, or no build backend that works: copy what pyproject.toml's package mapping installs
+  echo "pip could not install pdflash: copying src/pdflash, with kernels/ as pdflash.kernels"
   rm -rf "$site/pdflash"
   cp -r src/pdflash "$site/pdflash"
   cp -r kernels "$site/pdflash/kernels"
