@@ -34,7 +34,8 @@ import anyio
 import torch
 from tqdm import tqdm
 
-from pdflash.engine.async_engine import AsyncEngine, largest_block_union_bytes
+from pdflash.engine.async_engine import AsyncEngine
+from pdflash.engine.charging import largest_block_union_bytes
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.sampling import SamplingParams
 
@@ -52,7 +53,7 @@ async def closed_loop(
     tokens = 0
     if hasattr(engine.provider, "reset_stats"):
         engine.provider.reset_stats()
-    model_before = engine.stats().model_seconds
+    model_before = engine.stats().model_s
 
     async def client(c: int) -> None:
         nonlocal tokens
@@ -75,7 +76,7 @@ async def closed_loop(
     fetched = stats.provider["expert_bytes_fetched"] if stats.provider else 0
     return {
         "tokens_per_s": tokens / wall,
-        "overhead": 1 - (stats.model_seconds - model_before) / wall,
+        "overhead": 1 - (stats.model_s - model_before) / wall,
         "itl_p50_ms": 1e3 * gaps[len(gaps) // 2] if gaps else float("nan"),
         "itl_p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else float("nan"),
         "fetched_per_token": fetched / tokens,
@@ -100,19 +101,23 @@ def admission_us(engine: AsyncEngine, pool: list[list[int]], pending: int, repea
     drafts = spec.draft_rounds([s for s in sessions if not s.finished])
     for s in sessions:
         spec.release(s)
-    block_bytes = largest_block_union_bytes(spec, spec.block_size)
+    block_bytes = largest_block_union_bytes(spec.expert_nbytes, spec.block_size, spec.target.config.top_k)
     resident = frozenset(sorted(spec.expert_nbytes)[: len(spec.expert_nbytes) // 4])
     first, second = [], []
     for _ in range(repeats):
         scheduler = VerifyScheduler(
-            token_budget=64, token_cap=8 * 64, byte_budget=block_bytes, byte_cap=4 * block_bytes
+            token_budget=64,
+            token_cap=8 * 64,
+            byte_budget=block_bytes,
+            byte_cap=4 * block_bytes,
+            byte_map=spec.expert_nbytes,
         )
         for i in range(pending):
             d = drafts[i % len(drafts)]
             scheduler.register(i, d.tokens, d.expert_union, d.expert_bytes, d.fetch_bytes)
         for samples in (first, second):
             started = time.perf_counter()
-            scheduler.tick(resident, frozenset(), spec.expert_nbytes)
+            scheduler.tick(resident, frozenset())
             samples.append(time.perf_counter() - started)
     union = round(statistics.mean(len(d.expert_union) for d in drafts))
     return statistics.median(first) * 1e6, statistics.median(second) * 1e6, union
@@ -193,7 +198,7 @@ def main() -> None:
         offloaded = {}
         if offload:
             probe = dflash.speculator
-            block_bytes = largest_block_union_bytes(probe, probe.block_size)
+            block_bytes = largest_block_union_bytes(probe.expert_nbytes, probe.block_size, probe.target.config.top_k)
             cache_bytes = int(args.cache_fraction * sum(probe.expert_nbytes.values()))
             tokens = max(args.concurrency) * probe.block_size
             settings = {"token-only": {}}

@@ -82,8 +82,8 @@ def run_row(args, target: Path, drafter: Path | None, route_ahead: bool, prompts
         "link_ms_per_token": (
             1e3 * stats["expert_bytes_fetched"] / (args.link_gbps * 1e9) / tokens if args.link_gbps else float("nan")
         ),
-        "exposed_ms_per_token": 1e3 * stats["exposed_fetch_seconds"] / tokens,
-        "exposed_seconds": stats["exposed_fetch_seconds"],
+        "exposed_ms_per_token": 1e3 * stats["exposed_fetch_s"] / tokens,
+        "exposed_s": stats["exposed_fetch_s"],
         "hit_rate": stats["expert_cache_hit_rate"],
         "coverage": stats["prefetch_coverage"],
         "waste_per_token": stats["prefetch_waste_bytes"] / tokens,

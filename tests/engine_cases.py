@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import anyio
 
-DRAINED = dict(live_sequences=0, waiting=0, pending_demands=0, kv_bytes=0, pinned_experts=0)
+DRAINED = dict(live_sequences=0, waiting=0, pending_demands=0, kv_bytes=0, claimed_experts=0)
 
 
 async def collect(stream):

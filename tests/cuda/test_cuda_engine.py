@@ -9,7 +9,8 @@ import torch
 from engine_cases import drained, run_all
 
 from pdflash.bundled import BUNDLED_DRAFTER, BUNDLED_TARGET
-from pdflash.engine.async_engine import AsyncEngine, EngineConfig
+from pdflash.engine.async_engine import AsyncEngine
+from pdflash.engine.config import EngineConfig
 from pdflash.engine.lanes import Lane
 from pdflash.sampling import SamplingParams
 from pdflash.spec.speculator import Speculator
