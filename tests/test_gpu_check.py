@@ -52,7 +52,8 @@ def test_the_gpu_check_runs_every_stage_on_the_cpu_and_summarizes_them(tmp_path)
         if stages[name]["status"] == "pass":
             assert (out / f"{name}.log").is_file()
     # the install is this tree's, into the work folder, not onto the interpreter
-    assert (tmp_path / "work" / "site" / "pdflash" / "kernels" / "triton_swiglu.py").is_file()
+    site = tmp_path / "work" / "site"
+    assert (site / "pdflash" / "kernels" / "triton_swiglu.py").is_file() and list(site.glob("pdflash-*.dist-info"))
     assert "missing: none" in (out / "install.log").read_text()
     # every CUDA test was collected and skipped for want of a GPU
     tests = summary["cuda_tests"]

@@ -42,8 +42,14 @@ if [ -n "$missing" ]; then
     "$py" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$site" "${wheels[@]}"
   fi
 fi
-if [ "$have_pip" = 0 ] || ! "$py" -m pip install --no-index --no-deps --no-build-isolation --upgrade --target "$site" .
-then  # no pip, or no build backend that works: copy what pyproject.toml's package mapping installs
+# built from a fresh copy of the sources: setuptools' build/ folder in the tree may hold stale files
+source_copy=$(mktemp -d)
+trap 'rm -rf "$source_copy"' EXIT
+cp -r pyproject.toml README.md src kernels "$source_copy/"
+rm -rf "$source_copy"/src/*.egg-info
+if [ "$have_pip" = 0 ] ||
+  ! "$py" -m pip install --no-index --no-deps --no-build-isolation --upgrade --target "$site" "$source_copy"; then
+  # no pip, or no build backend that works: copy what pyproject.toml's package mapping installs
   echo "pip could not install pdflash: copying src/pdflash, with kernels/ as pdflash.kernels"
   rm -rf "$site/pdflash"
   cp -r src/pdflash "$site/pdflash"
