@@ -20,6 +20,7 @@
 #   OUT=/some/dir tools/gpu_check.sh      PYTHON=python3.12  GPU_CHECK_TOTAL_S=480
 set -uo pipefail
 cd "$(dirname "$0")/.."
+started=$SECONDS
 py=${PYTHON:-}
 if [ -z "$py" ]; then  # the first interpreter that has torch: the machine's own
   for candidate in python3 python3.12 python; do
@@ -32,7 +33,6 @@ if [ -z "$py" ]; then  # the first interpreter that has torch: the machine's own
 fi
 total_s=${GPU_CHECK_TOTAL_S:-480}
 reserve_s=15  # kept for the summary
-started=$SECONDS
 OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/pdflash-gpu-check.XXXXXX")}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
