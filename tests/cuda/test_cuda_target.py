@@ -14,10 +14,11 @@ PROMPTS = [list(range(3, 40)), [7], list(range(100, 117))]  # a ragged batch: 37
 BLOCKS = [[41, 42, 43, 44, 45, 46, 47, 48], [8], [200, 201, 202]]  # then a verify-like block each, cached
 
 # Half precision against the fp32 CPU model: max |Δlogit| within this share of max |logit|, and the
-# same argmax at this share of positions. Calibrated on the CPU's own half-precision forward
-# (bf16: 8.2% / 91% on the tiny target, 9.2% / 96% on the bundled one; fp16: 3.8% / 100%, 0.12% /
-# 100%); CUDA accumulates in fp32 inside every kernel, so it should do no worse.
-HALF_TOLERANCE = {"bfloat16": (0.15, 0.85), "float16": (0.06, 0.97)}
+# same argmax at this share of positions. Calibrated on the CPU's own half-precision forward over
+# five ragged batches per checkpoint (worst bf16: 11.3% and 91%; worst fp16: 6.4% and 98%); the
+# bounds leave room for other rounding, since CUDA kernels accumulate differently (a wrong kernel
+# is off by ~100%). One routing flip moves a token's logits far, hence the wide margin on the max.
+HALF_TOLERANCE = {"bfloat16": (0.20, 0.85), "float16": (0.12, 0.95)}
 
 
 def prefill_then_block(model):
