@@ -68,6 +68,19 @@ def test_the_gpu_check_runs_every_stage_on_the_cpu_and_summarizes_them(tmp_path)
     assert "**OK**" in markdown and "| cuda-tests | pass |" in markdown and "No CUDA device" in markdown
 
 
+def test_a_rerun_runs_only_the_stages_it_names(tmp_path):
+    done, out = run_check(tmp_path, GPU_CHECK_ONLY="bench-kernels")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    statuses = {s["stage"]: s["status"] for s in summary["stages"]}
+    assert statuses == {name: "skipped" for name in STAGES} | {
+        "env": "pass",
+        "install": "pass",
+        "bench-kernels": "pass",
+    }
+    assert all(s["note"] == "not in GPU_CHECK_ONLY" for s in summary["stages"] if s["status"] == "skipped")
+
+
 def test_stages_the_total_leaves_no_time_for_fail_the_check(tmp_path):
     done, out = run_check(tmp_path, GPU_CHECK_TOTAL_S="10")  # less than the summary's reserve
     assert done.returncode == 1

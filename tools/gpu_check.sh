@@ -18,6 +18,8 @@
 # so (tests/test_gpu_check.py). Exit status 0 when no stage failed or timed out.
 #
 #   OUT=/some/dir tools/gpu_check.sh      PYTHON=python3.12  GPU_CHECK_TOTAL_S=480
+# A rerun after a fix can pick stages and tests (env and install always run, summary always):
+#   GPU_CHECK_ONLY="cuda-tests bench-engine"  GPU_CHECK_PYTEST_ARGS="-k offload"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -61,6 +63,10 @@ print(json.dumps(dict(stage=n, status=s, rc=int(rc), seconds=int(sec), note=note
 stage() {  # stage NAME BUDGET_S CMD...: CMD under its own timeout (and the total's), logged to NAME.log
   local name=$1 budget=$2
   shift 2
+  if ! selected "$name"; then
+    record "$name" skipped 0 0 "not in GPU_CHECK_ONLY"
+    return 1
+  fi
   local left=$((total_s - (SECONDS - started) - reserve_s))
   if ((left < 5)); then
     record "$name" no-time 0 0 "no time left of the ${total_s}s total"
@@ -79,7 +85,18 @@ stage() {  # stage NAME BUDGET_S CMD...: CMD under its own timeout (and the tota
 }
 
 skip() {  # skip NAME WHY
-  record "$1" skipped 0 0 "$2"
+  if selected "$1"; then
+    record "$1" skipped 0 0 "$2"
+  else
+    record "$1" skipped 0 0 "not in GPU_CHECK_ONLY"
+  fi
+}
+
+selected() {  # selected NAME: env and install always; the others if GPU_CHECK_ONLY is unset or names them
+  case " env install ${GPU_CHECK_ONLY:-$1} " in
+    *" $1 "*) return 0 ;;
+    *) return 1 ;;
+  esac
 }
 
 echo "pdflash GPU check: output in $OUT"
@@ -99,8 +116,9 @@ else
 fi
 
 if [ "$cuda" = 1 ]; then
+  # shellcheck disable=SC2086  # GPU_CHECK_PYTEST_ARGS is a list of words
   stage cuda-tests 270 "$py" -m pytest tests/cuda -m cuda -p no:cacheprovider -v -rfEs --durations=15 \
-    --junitxml="$OUT/cuda-tests.xml"
+    --junitxml="$OUT/cuda-tests.xml" ${GPU_CHECK_PYTEST_ARGS:-}
   stage bench-kernels 90 "$py" benchmarks/bench_kernels.py --tokens 8 64 256 512 --json "$OUT/bench-kernels.json"
 else  # collected and skipped here: imports and markers still checked
   stage cuda-tests 60 "$py" -m pytest tests/cuda -m cuda -p no:cacheprovider -q -rfEs \
@@ -112,6 +130,8 @@ fi
 bench_help=$OUT/bench-cli-help.txt
 if [ "$cuda" = 0 ]; then
   skip bench-cli "no CUDA: pdflash bench --quick takes minutes on a CPU; its own tests cover it"
+elif ! selected bench-cli; then
+  skip bench-cli "not selected"
 elif ! "$py" -m pdflash.cli bench --help >"$bench_help" 2>&1; then
   skip bench-cli "pdflash has no bench command yet (pdflash bench --help failed): benchmark scripts instead"
 elif ! grep -q -- "--device" "$bench_help"; then
