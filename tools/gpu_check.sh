@@ -101,12 +101,12 @@ selected() {  # selected NAME: env and install always; the others if GPU_CHECK_O
 
 echo "pdflash GPU check: output in $OUT"
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
-  skip env "$py cannot import torch: this check uses the machine's own torch"
+  record env fail 1 0 "$py cannot import torch: this check uses the machine's own torch (set PYTHON)"
   "$py" tools/gpu_summary.py "$OUT"
   exit 1
 fi
 cuda=$("$py" -c "import torch; print(int(torch.cuda.is_available()))")
-command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+command -v nvidia-smi >/dev/null && timeout 30 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 stage env 60 "$py" tools/gpu_facts.py "$OUT/env.json"
 if stage install 90 env PYTHON="$py" bash tools/gpu_install.sh "$site"; then
@@ -132,7 +132,7 @@ if [ "$cuda" = 0 ]; then
   skip bench-cli "no CUDA: pdflash bench --quick takes minutes on a CPU; its own tests cover it"
 elif ! selected bench-cli; then
   skip bench-cli "not selected"
-elif ! "$py" -m pdflash.cli bench --help >"$bench_help" 2>&1; then
+elif ! timeout 60 "$py" -m pdflash.cli bench --help >"$bench_help" 2>&1; then
   skip bench-cli "pdflash has no bench command yet (pdflash bench --help failed): benchmark scripts instead"
 elif ! grep -q -- "--device" "$bench_help"; then
   skip bench-cli "pdflash bench has no --device option, so it would run on the CPU: benchmark scripts instead"

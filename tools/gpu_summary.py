@@ -88,6 +88,8 @@ def markdown(summary: dict) -> str:
             f"{env.get('memory_gib')} GiB. Host-to-device copies: {env.get('h2d_pinned_gbps')} GB/s pinned, "
             f"{env.get('h2d_pageable_gbps')} GB/s pageable."
         )
+    elif not env:
+        lines.append("No environment facts: the env stage did not run (see its note below).")
     else:
         lines.append(
             f"No CUDA device: a CPU smoke run (torch {env.get('torch', '?')}, Python {env.get('python', '?')}, "
