@@ -15,27 +15,33 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 missing=$("$py" - tools/gpu_wheels.txt <<'PYEOF'
 import importlib.util, sys
 for line in open(sys.argv[1]):
-    fields = line.split("#")[0].split()
+    fields = line.split("#")[0].split()  # pin, module[, optional]
     if fields and importlib.util.find_spec(fields[1]) is None:
-        print(fields[0])
+        print(fields[0] + (",optional" if fields[2:] == ["optional"] else ""))
 PYEOF
 )
-echo "missing: ${missing:-none}"
+echo "missing:" ${missing:-none}
 have_pip=1
 "$py" -m pip --version >/dev/null 2>&1 || have_pip=0
+wheels=()
 if [ -n "$missing" ]; then
-  wheels=()
-  for pin in $missing; do
+  for entry in $missing; do
+    pin=${entry%,optional}
     name=${pin%%==*}
     version=${pin#*==}
     # wheel file names use underscores for - and . in the distribution name, in any case
-    found=$(find .whl -maxdepth 1 -iname "$(echo "$name" | tr -- '-.' '__')-$version-*.whl" 2>/dev/null | head -1)
-    if [ -z "$found" ]; then
+    found=$(find .whl -maxdepth 1 -iname "$(echo "$name" | tr -- '-.' '__')-$version-*.whl" 2>/dev/null | head -1 || true)
+    if [ -n "$found" ]; then
+      wheels+=("$found")
+    elif [ "$entry" != "$pin" ]; then
+      echo "optional $pin: no wheel in .whl/, left out"
+    else
       echo "no wheel for $pin in .whl/: run tools/gpu_wheels.sh on a machine with network, then carry .whl" >&2
       exit 1
     fi
-    wheels+=("$found")
   done
+fi
+if [ "${#wheels[@]}" -gt 0 ]; then
   if [ "$have_pip" = 1 ]; then
     "$py" -m pip install --no-index --no-deps --upgrade --target "$site" "${wheels[@]}"
   else  # a wheel is a zip of what goes into site-packages
