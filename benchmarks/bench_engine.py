@@ -13,11 +13,16 @@ verify scheduling over offloaded experts, on one CPU run.
      expert bytes fetched per generated token.
 
     python benchmarks/bench_engine.py [--target DIR --drafter DIR] [--concurrency 1 4 16 32]
+        [--device cuda] [--json FILE]
+
+On CUDA (`--device cuda`) the offloaded sweep copies experts over the real host-to-device link
+from pinned memory unless `--link-gbps` asks for an emulated one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -137,7 +142,12 @@ def main() -> None:
     parser.add_argument("--pending", type=int, default=256, help="pending demands in the admission timing")
     parser.add_argument("--admission-repeats", type=int, default=200)
     parser.add_argument("--cache-fraction", type=float, default=0.25, help="offload: device cache / all experts")
-    parser.add_argument("--link-gbps", type=float, default=16.0, help="offload: emulated link GB/s")
+    parser.add_argument(
+        "--link-gbps", type=float, help="offload: emulated link GB/s (default 16 on the CPU; the real link on CUDA)"
+    )
+    parser.add_argument("--device", default="cpu", help="torch device of the engines (default cpu)")
+    parser.add_argument("--dtype", help="compute dtype (default: float32 on the CPU, bfloat16 on CUDA)")
+    parser.add_argument("--json", type=Path, help="also write every table's figures to this JSON file")
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads (default 1: shared cores)")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
@@ -149,7 +159,10 @@ def main() -> None:
         args.target = write_tiny_target(scratch / "target")
         args.drafter = args.drafter or write_tiny_drafter(scratch / "drafter", args.target)
     params = SamplingParams(max_tokens=args.max_tokens)
-    dflash = AsyncEngine.from_pretrained(args.target, args.drafter, max_num_seqs=max(args.concurrency))
+    if args.link_gbps is None and not args.device.startswith("cuda"):
+        args.link_gbps = 16.0
+    model = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(args.concurrency))
+    dflash = AsyncEngine.from_pretrained(args.target, args.drafter, **model)
     pool = prompts(64, dflash.speculator.target.config.vocab_size)
     try:
         import pdflash.offload  # noqa: F401
@@ -158,9 +171,11 @@ def main() -> None:
     except ImportError:
         offload = None
 
+    accelerator = torch.cuda.get_device_name() if args.device.startswith("cuda") else "no accelerator"
+    link = f"emulated {args.link_gbps:g} GB/s link" if args.link_gbps else "the real host-to-device link"
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} intra-op thread(s), no accelerator; Python {platform.python_version()}"
+        f"{torch.get_num_threads()} intra-op thread(s), {accelerator}; Python {platform.python_version()}"
     )
     print(
         f"target {args.target}, drafter {args.drafter} (block {dflash.speculator.block_size}); greedy, "
@@ -173,7 +188,7 @@ def main() -> None:
             "DFlash": anyio.run(sweep, dflash, args, params, pool, bar),
             "AR": anyio.run(
                 sweep,
-                AsyncEngine.from_pretrained(args.target, None, max_num_seqs=max(args.concurrency)),
+                AsyncEngine.from_pretrained(args.target, None, **model),
                 args,
                 params,
                 pool,
@@ -195,9 +210,7 @@ def main() -> None:
                     verify_byte_cap=max(block_bytes, 2 * byte_budget),
                 )
             for name, budgets in settings.items():
-                engine = AsyncEngine.from_pretrained(
-                    args.target, args.drafter, offload=offload, max_num_seqs=max(args.concurrency), **budgets
-                )
+                engine = AsyncEngine.from_pretrained(args.target, args.drafter, offload=offload, **model, **budgets)
                 offloaded[name] = anyio.run(sweep, engine, args, params, pool, bar)
                 print(f"{name}: {budgets or 'no byte budget'}")
 
@@ -214,8 +227,7 @@ def main() -> None:
     )
     if offload:
         table(
-            f"Offloaded experts: emulated {args.link_gbps:g} GB/s link, device cache {args.cache_fraction:.0%} "
-            "of all experts",
+            f"Offloaded experts: {link}, device cache {args.cache_fraction:.0%} of all experts",
             offloaded,
             [
                 ("tokens/s", "tokens_per_s", ".1f"),
@@ -227,6 +239,12 @@ def main() -> None:
         )
     else:
         print("\npdflash.offload is not importable: offloaded sweep skipped")
+    if args.json is not None:
+        machine = dict(accelerator=accelerator, cpu_cores=os.cpu_count(), torch=torch.__version__, link=link)
+        models = dict(target=str(args.target), drafter=str(args.drafter), max_tokens=args.max_tokens)
+        report = dict(machine=machine, models=models, resident=resident, offloaded=offloaded)
+        report["admission_us"] = [first_us, next_us]
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

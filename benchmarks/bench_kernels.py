@@ -4,17 +4,21 @@ On CUDA the grouped implementation is the Triton kernel (timed with CUDA events)
 is the `grouped_mm` path that runs there (timed with the wall clock). Defaults are Qwen3-30B-A3B
 experts (H=2048, I=768, 128 experts, top-8) in bfloat16 with all experts resident; the bundled
 model's shapes are `--experts 32 --top-k 4 --hidden 256 --intermediate 64 --dtype fp32`.
-Prints the median of the timed repeats for each token count and the speedup.
+Prints the median of the timed repeats for each token count and the speedup; `--json FILE` also
+writes them (with the machine) for tools/gpu_check.sh's summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -38,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where to run (default: cuda when present)",
     )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--json", type=Path, help="also write the rows and the machine to this JSON file")
     return parser.parse_args(argv)
 
 
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{where}  {shapes}")
     header = ("T", 5), ("routed", 6), ("torch loop ms", 14), (f"{name} ms", 14), ("speedup", 8)
     print(" ".join(f"{label:>{width}}" for label, width in header), f"{'rel err':>9}")
+    rows = []
     for tokens in args.tokens:
         x = torch.randn(tokens, hidden, **new)  # [T, H]
         routing = route_reference(torch.randn(tokens, experts, device=device), args.top_k, True)
@@ -104,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         grouped_ms = median_ms(partial(grouped, *inputs, out), *timing)
         routed = routing.union_ids().numel()
         print(f"{tokens:>5} {routed:>6} {loop_ms:>14.3f} {grouped_ms:>14.3f} {loop_ms / grouped_ms:>7.2f}x {err:>9.2e}")
+        rows.append(dict(tokens=tokens, routed=routed, torch_loop_ms=loop_ms, grouped_ms=grouped_ms, rel_err=err))
+    if args.json is not None:
+        machine = dict(device=where, torch=torch.__version__, python=platform.python_version())
+        report = dict(machine=machine, grouped=name, shapes=shapes, repeats=args.repeats, rows=rows)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

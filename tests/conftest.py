@@ -29,3 +29,23 @@ def hf_checkpoint(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
     return write_tiny_target(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture
+def offloaded(tiny_target):
+    """Factory of offloaded targets (default: the tiny checkpoint); every provider is closed afterwards.
+
+    Keywords go to `load_offloaded_target`: device, dtype, expert_cache_fraction, link_gbps, ...
+    """
+    from pdflash.offload import load_offloaded_target
+
+    made = []
+
+    def make(directory=tiny_target, **options):
+        loaded = load_offloaded_target(directory, **options)
+        made.append(loaded.model.experts)
+        return loaded
+
+    yield make
+    for provider in made:
+        provider.close()

@@ -9,6 +9,7 @@ import threading
 
 import anyio
 import pytest
+from engine_cases import collect, drained, run_all
 from transitions import MachineError
 
 from pdflash.engine.async_engine import AsyncEngine
@@ -26,7 +27,6 @@ from pdflash.target.tiny import write_tiny_drafter
 
 PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63)), [7], list(range(100, 111)), [3, 1, 4, 1, 5, 9, 2, 6]]
 GREEDY = SamplingParams(max_tokens=12)
-DRAINED = dict(live_sequences=0, waiting=0, pending_demands=0, kv_bytes=0, claimed_experts=0)
 
 
 @pytest.fixture(scope="module")
@@ -99,37 +99,6 @@ class RecordingProvider:
 
     def stats(self):
         return {"prefetches": len(self.prefetched), "claims": len(self.claims)}
-
-
-async def collect(stream):
-    ids, text, last = [], "", None
-    async for out in stream:
-        ids += out.token_ids
-        text += out.text
-        last = out
-    return ids, text, last
-
-
-async def run_all(engine, requests):
-    """Run (prompt, params) requests concurrently; return each (ids, text, last output)."""
-    results = [None] * len(requests)
-
-    async def one(i, prompt, params):
-        results[i] = await collect(engine.generate(prompt, params))
-
-    async with anyio.create_task_group() as tg:
-        for i, (prompt, params) in enumerate(requests):
-            tg.start_soon(one, i, prompt, params)
-    return results
-
-
-async def drained(engine, timeout=20.0):
-    with anyio.fail_after(timeout):
-        while engine.stats().live_sequences or engine.stats().waiting:
-            await anyio.sleep(0.01)
-    stats = engine.stats()
-    assert {k: getattr(stats, k) for k in DRAINED} == DRAINED
-    return stats
 
 
 # --- output equals each request alone ------------------------------------------------------

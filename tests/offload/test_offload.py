@@ -21,7 +21,6 @@ from pdflash.offload import (
     Link,
     OffloadedExperts,
     Priority,
-    load_offloaded_target,
     make_policy,
 )
 from pdflash.sampling import SamplingParams
@@ -56,21 +55,6 @@ def config(tiny_target):
 @pytest.fixture(scope="module")
 def store(tiny_target, config):
     return HostExpertStore(Checkpoint(tiny_target), config)
-
-
-@pytest.fixture
-def offloaded(tiny_target):
-    """Factory of offloaded targets over the tiny checkpoint; every provider is closed afterwards."""
-    made = []
-
-    def make(directory=tiny_target, **cache):
-        loaded = load_offloaded_target(directory, **cache)
-        made.append(loaded.model.experts)
-        return loaded
-
-    yield make
-    for provider in made:
-        provider.close()
 
 
 def provider_over(store, config, **kw) -> OffloadedExperts:

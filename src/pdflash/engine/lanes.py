@@ -73,6 +73,11 @@ class Lane:
         self.calls = 0
         self.intervals: deque[tuple[float, float]] = deque(maxlen=INTERVALS)  # (start, end) perf_counter s
 
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream every call runs on (None off CUDA)."""
+        return self._stream
+
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the lane and await its result (its exception is raised here)."""
         return await asyncio.wrap_future(self.submit(fn, *args))

@@ -164,7 +164,9 @@ class OffloadedExperts:
         self._table: dict[ExpertKey, _Entry] = {}
         self._free = list(range(S - 1, -1, -1))
         self._claims: dict[ExpertKey, int] = {}  # key -> unreleased claims on it
-        self._readers: dict[int, list[torch.cuda.Event]] = {}  # CUDA: slot -> compute done with it
+        # CUDA: slot -> compute stream -> the last event after which that stream is done with the slot
+        # (one per stream, not one per unpin: an expert that is never evicted would gather events forever)
+        self._readers: dict[int, dict[torch.cuda.Stream, torch.cuda.Event]] = {}
         self._counters = _Counters()
         self._closed = False
         self.lane = PrefetchLane(self.device)
@@ -359,9 +361,10 @@ class OffloadedExperts:
         for entry in entries:
             entry.pins -= 1
             if self.device.type == "cuda" and entry.state is EntryState.READY:
+                stream = torch.cuda.current_stream(self.device)
                 done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-                self._readers.setdefault(entry.slot, []).append(done)
+                done.record(stream)
+                self._readers.setdefault(entry.slot, {})[stream] = done
         self._cond.notify_all()
 
     def _as_wave(self, entries: list[_Entry]) -> Any:
@@ -445,12 +448,18 @@ class OffloadedExperts:
         slot = entry.slot
         if self.device.type == "cuda":
             with self._cond:
-                readers = self._readers.pop(slot, [])
+                readers = self._readers.pop(slot, {})
             lane_stream = torch.cuda.current_stream(self.device)
-            for done in readers:  # forwards that computed on the slot's previous expert
+            for done in readers.values():  # forwards that computed on the slot's previous expert
                 lane_stream.wait_event(done)
         for name, tensor in host.tensors().items():
-            self.arena[name][slot].copy_(tensor, non_blocking=True)
+            slot_tensor = self.arena[name][slot]
+            if slot_tensor.dtype != tensor.dtype:
+                # carry the stored bytes as they are (asynchronous from pinned memory) and convert on
+                # the device: copy_ across devices and dtypes would convert on the host into a pageable
+                # temporary first, a synchronous CPU pass over every fetched expert
+                tensor = tensor.to(self.device, non_blocking=True)
+            slot_tensor.copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             entry.loaded = torch.cuda.Event()
             entry.loaded.record(torch.cuda.current_stream(self.device))

@@ -163,7 +163,8 @@ class DFlashDrafter:
         for cache, c, b in zip(caches, ctx_lens, block_lens, strict=True):
             cache.reserve(cache.length + c + b)
         ctx = rms_norm(F.linear(torch.cat(list(contexts)), self.fc), self.hidden_norm, cfg.rms_norm_eps)  # [C, H]
-        x = F.embedding(torch.cat(list(blocks)), self.embed) * cfg.input_embedding_scale  # [Bt, H]
+        block_ids = torch.cat(list(blocks)).to(self.embed.device)  # [Bt] the engine builds blocks on the host
+        x = F.embedding(block_ids, self.embed) * cfg.input_embedding_scale  # [Bt, H]
         positions = torch.cat(
             [torch.arange(cache.length, cache.length + c) for cache, c in zip(caches, ctx_lens)]
             + [

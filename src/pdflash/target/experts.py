@@ -38,9 +38,9 @@ class ResidentExperts:
 
     def __init__(self, stacks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         self.stacks = stacks  # layer -> (gate [E, I, H], up [E, I, H], down [E, H, I])
-        num_experts = next(iter(stacks.values()))[0].shape[0] if stacks else 0
-        self._identity = torch.arange(num_experts)
+        first = next(iter(stacks.values()))[0] if stacks else torch.empty(0)
+        self._identity = torch.arange(first.shape[0], device=first.device)  # [E] made once where the weights are
 
     def waves(self, layer: int, union: list[int]) -> Iterator[ExpertWave]:
         gate, up, down = self.stacks[layer]
-        yield ExpertWave(slot_of_expert=self._identity.to(gate.device), gate=gate, up=up, down=down)
+        yield ExpertWave(slot_of_expert=self._identity, gate=gate, up=up, down=down)
