@@ -1,4 +1,4 @@
-"""The `pdflash` command line: generate, serve, train-drafter, make-tiny."""
+"""The `pdflash` command line: generate, serve, bench, simulate, train-drafter, make-tiny."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import attrs
 
+from pdflash.bench.commands import register_subcommands as register_bench_subcommands
 from pdflash.bundled import default_drafter, default_target
 from pdflash.sampling import SamplingParams
 
@@ -413,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     _add_serve_parser(sub)
+    register_bench_subcommands(sub)
 
     train = sub.add_parser(
         "train-drafter",
