@@ -40,13 +40,15 @@ def run(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile, args.profiles_file)
     target = args.target or default_target()
     drafter = args.drafter or default_drafter(target)
+    if drafter is None:
+        raise ValueError(f"{target} has no default drafter; give --drafter (B1-B3 speculate)")
     tokenizer = TextTokenizer(target, ModelConfig.from_file(target / "config.json").vocab_size)
     pool = [tokenizer.encode(text) for text in humaneval_prompts(args.prompts)]
 
     if args.calibrate is not None:
         from pdflash.bench.calibrate import calibrate
 
-        with _progress(6, "calibrating", args.json == "-") as bar:
+        with _progress(1 + 6 * 3, "calibrating", args.json == "-") as bar:
             costs = calibrate(target, drafter, pool, progress=lambda _: bar.update())
         costs.to_json(args.calibrate)
         print(f"calibration written to {args.calibrate}: {attrs.asdict(costs)}")

@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import anyio
+import torch
 
 from pdflash.bench.costs import CalibratedCosts, fit_linear
 from pdflash.engine.async_engine import AsyncEngine
-from pdflash.offload import load_offloaded_target
+from pdflash.offload import OffloadedExperts, load_offloaded_target
 from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator
 
 BATCHES = (1, 2, 4, 8, 16, 32)
+REPEATS = 3  # passes over BATCHES; each shape's median is fitted
 T = TypeVar("T")
 
 
@@ -34,61 +38,82 @@ def _timed(fn: Callable[..., T], *args: object) -> tuple[float, T]:
     return time.perf_counter() - started, out
 
 
+class Samples:
+    """Timings per phase, grouped by (drafter?, batch, round) so repeats of one shape reduce to
+    their median (other jobs on a shared machine add time; a median resists that)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, dict[tuple, list[tuple[float, ...]]]] = defaultdict(lambda: defaultdict(list))
+
+    def add(self, phase: str, key: tuple, *features_then_seconds: float) -> None:
+        self.groups[phase][key].append(features_then_seconds)
+
+    def fit(self, phase: str) -> tuple[float, ...]:
+        medians = [[statistics.median(col) for col in zip(*rows, strict=True)] for rows in self.groups[phase].values()]
+        return fit_linear([m[:-1] for m in medians], [m[-1] for m in medians])
+
+
 def calibrate(
     target: Path, drafter: Path, pool: Sequence[list[int]], *, rounds: int = 3, progress=lambda _: None
 ) -> CalibratedCosts:
     loaded = load_offloaded_target(target, expert_cache_fraction=1.0)
-    provider = loaded.model.experts
+    provider = cast(OffloadedExperts, loaded.model.experts)
     try:
         draft_model = load_drafter(drafter, loaded.model)
-        specs = {
-            spec: Speculator(
+        specs = [
+            Speculator(
                 loaded.model,
-                draft_model if spec else None,
+                draft_model if speculative else None,
                 expert_nbytes=loaded.expert_nbytes,
                 projector="router",
                 resident=provider.resident,
             )
-            for spec in (False, True)
-        }
-        prefill, drafts, projections, verifies = [], [], [], []
+            for speculative in (False, True)
+        ]
         for _ in range(2):  # warm-up: every expert lands in the cache, kernels are loaded
-            for spec in specs.values():
-                _rounds(spec, pool[:8], 2, [], [], [], [])
-        for n in BATCHES:
-            for spec in specs.values():
-                _rounds(spec, [pool[i % len(pool)] for i in range(n)], rounds, prefill, drafts, projections, verifies)
-            progress(f"calibrate batch {n}")
+            for spec in specs:
+                _rounds(spec, pool[:8], 2, Samples())
+        progress("warm-up")
+        samples = Samples()
+        for _ in range(REPEATS):
+            for n in BATCHES:
+                for spec in specs:
+                    _rounds(spec, [pool[i % len(pool)] for i in range(n)], rounds, samples)
+                progress(f"calibrate batch {n}")
         step = _step_overhead(target, pool)
     finally:
         provider.close()
     return CalibratedCosts(
-        prefill=fit_linear([[t] for t, _ in prefill], [s for _, s in prefill]),
-        drafter=fit_linear([[n] for n, _ in drafts], [s for _, s in drafts]),
-        projection=fit_linear([[t] for t, _ in projections], [s for _, s in projections]),
-        verify=fit_linear([[t, e] for t, e, _ in verifies], [s for *_, s in verifies]),
+        prefill=samples.fit("prefill"),
+        drafter=samples.fit("drafter"),
+        projection=samples.fit("projection"),
+        verify=samples.fit("verify"),
         step=fit_linear([[n] for n, _ in step], [s for _, s in step]),
-        machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, torch threads as started",
+        machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch thread(s)",
     )
 
 
-def _rounds(spec: Speculator, prompts, rounds: int, prefill, drafts, projections, verifies) -> None:
+def _rounds(spec: Speculator, prompts, rounds: int, samples: Samples) -> None:
     params = SamplingParams(max_tokens=rounds * spec.block_size + 2)
+    speculative = spec.drafter is not None
     seconds, sessions = _timed(spec.begin_sessions, [(p, params) for p in prompts])
-    prefill.append((sum(map(len, prompts)), seconds))
-    for _ in range(rounds):
+    samples.add("prefill", (speculative, len(prompts)), sum(map(len, prompts)), len(prompts), seconds)
+    context = sum(map(len, prompts))  # tap features the drafter has not seen yet
+    for index in range(rounds):
         live = [s for s in sessions if not s.finished]
         if not live:
             break
+        key = (speculative, len(prompts), index)
         seconds, results = _timed(spec.draft_rounds, live)
         projection = sum(r.projection_seconds for r in results)
         tokens = sum(r.tokens for r in results)
-        projections.append((tokens, projection))
-        if spec.drafter is not None:
-            drafts.append((len(live), seconds - projection))
-        seconds, _ = _timed(spec.verify_rounds, live)
+        samples.add("projection", key, tokens, len(live), projection)
+        if speculative:
+            samples.add("drafter", key, len(live), context, seconds - projection)
+        seconds, verified = _timed(spec.verify_rounds, live)
         experts = len(frozenset().union(*(s.last_union for s in live)))
-        verifies.append((tokens, experts, seconds))
+        samples.add("verify", key, tokens, experts, len(live), seconds)
+        context = sum(len(v.accepted_ids) for v in verified)
     for s in sessions:
         spec.release(s)
 

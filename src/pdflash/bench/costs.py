@@ -8,10 +8,11 @@ are not here: the simulated copy engine charges bytes / link rate. Must not simu
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -20,19 +21,32 @@ from pdflash.bench.profiles import Profile
 
 
 class CostModel(Protocol):
-    description: str
+    @property
+    def description(self) -> str: ...
 
     def prefill_s(self, tokens: int, seqs: int, experts: int) -> float: ...
-    def draft_s(self, seqs: int, tokens: int, *, speculative: bool, router: bool) -> float: ...
+    def draft_s(self, seqs: int, tokens: int, context: int, *, speculative: bool, router: bool) -> float: ...
     def verify_s(self, tokens: int, seqs: int, experts: int) -> float: ...
     def step_s(self, seqs: int) -> float: ...
 
 
 def fit_linear(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> tuple[float, ...]:
-    """Least-squares (intercept, slopes...) of ys over the columns of xs, clamped at >= 0."""
-    design = np.column_stack([np.ones(len(ys)), np.asarray(xs, dtype=float)])
-    coef, *_ = np.linalg.lstsq(design, np.asarray(ys, dtype=float), rcond=None)
-    return tuple(max(0.0, float(c)) for c in coef)
+    """Non-negative least squares (intercept, slopes...) of ys over the columns of xs: the best
+    unconstrained fit over every subset of the terms whose coefficients all come out >= 0
+    (exact for the few terms a cost has; a negative cost per token would be nonsense)."""
+    design = np.column_stack([np.ones(len(ys)), np.asarray(xs, dtype=float)])  # [n, 1 + terms]
+    y = np.asarray(ys, dtype=float)
+    best, best_residual = np.zeros(design.shape[1]), float(np.sum(y**2))
+    for subset in itertools.product((False, True), repeat=design.shape[1]):
+        if not any(subset):
+            continue
+        cols = np.flatnonzero(subset)
+        coef, *_ = np.linalg.lstsq(design[:, cols], y, rcond=None)
+        residual = float(np.sum((design[:, cols] @ coef - y) ** 2))
+        if (coef >= 0).all() and residual < best_residual:
+            best, best_residual = np.zeros(design.shape[1]), residual
+            best[cols] = coef
+    return tuple(float(c) for c in best)
 
 
 def _line(coef: Sequence[float], *xs: float) -> float:
@@ -43,23 +57,23 @@ def _line(coef: Sequence[float], *xs: float) -> float:
 class CalibratedCosts:
     """Per-forward times measured here: each a linear fit (intercept first, seconds)."""
 
-    prefill: tuple[float, float]  # over prompt tokens
-    drafter: tuple[float, float]  # drafter forward, over sequences (one block each)
-    projection: tuple[float, float]  # router-only pass, over block tokens
-    verify: tuple[float, float, float]  # over tokens and distinct experts of the batch
-    step: tuple[float, float]  # engine bookkeeping per step, over live sequences
+    prefill: tuple[float, ...]  # (s, s/token, s/sequence) over prompt tokens and sequences
+    drafter: tuple[float, ...]  # drafter forward: (s, s/sequence, s/new context feature)
+    projection: tuple[float, ...]  # router-only pass: (s, s/block token, s/sequence)
+    verify: tuple[float, ...]  # (s, s/token, s/distinct expert of the batch, s/sequence)
+    step: tuple[float, ...]  # engine bookkeeping per step: (s, s/live sequence)
     machine: str = ""
     description: str = "calibrated on this machine"
 
     def prefill_s(self, tokens: int, seqs: int, experts: int) -> float:
-        return _line(self.prefill, tokens)
+        return _line(self.prefill, tokens, seqs)
 
-    def draft_s(self, seqs: int, tokens: int, *, speculative: bool, router: bool) -> float:
-        drafter = _line(self.drafter, seqs) if speculative else 0.0
-        return drafter + (_line(self.projection, tokens) if router else 0.0)
+    def draft_s(self, seqs: int, tokens: int, context: int, *, speculative: bool, router: bool) -> float:
+        drafter = _line(self.drafter, seqs, context) if speculative else 0.0
+        return drafter + (_line(self.projection, tokens, seqs) if router else 0.0)
 
     def verify_s(self, tokens: int, seqs: int, experts: int) -> float:
-        return _line(self.verify, tokens, experts)
+        return _line(self.verify, tokens, experts, seqs)
 
     def step_s(self, seqs: int) -> float:
         return _line(self.step, seqs)
@@ -74,7 +88,8 @@ class CalibratedCosts:
         missing = sorted({"prefill", "drafter", "projection", "verify", "step"} - set(data))
         if missing:
             raise ValueError(f"{path}: calibration lacks {missing}; write it with `pdflash bench --calibrate`")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields})
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}
+        return cls(**values)
 
 
 @attrs.frozen
@@ -97,11 +112,11 @@ class RooflineCosts:
     def verify_s(self, tokens: int, seqs: int, experts: int) -> float:
         return self.profile.forward_s(tokens, experts)
 
-    def draft_s(self, seqs: int, tokens: int, *, speculative: bool, router: bool) -> float:
+    def draft_s(self, seqs: int, tokens: int, context: int, *, speculative: bool, router: bool) -> float:
         m, a = self.profile.model, self.profile.accelerator
         total = 0.0
         if speculative:
-            flops = 2 * tokens * m.drafter_bytes_per_forward / 2
+            flops = 2 * (tokens + context) * m.drafter_bytes_per_forward / 2
             total += m.drafter_layers * a.per_layer_fixed_s + max(
                 m.drafter_bytes_per_forward / a.hbm_bytes_per_s, flops / a.peak_flops
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -148,12 +148,11 @@ class Profile:
         return min(1.0, self.expert_budget_bytes / self.model.all_expert_bytes)
 
 
-_FIELDS = {
-    "models": {f.name: f.type for f in attrs.fields(ModelShape) if f.name != "name"},
-    "accelerators": {f.name: f.type for f in attrs.fields(Accelerator) if f.name != "name"},
-    "links": {f.name: f.type for f in attrs.fields(HostLink) if f.name != "name"},
+_FIELDS: dict[str, dict[str, str]] = {  # section -> field -> type name (the annotations are strings)
+    section: {f.name: str(f.type) for f in attrs.fields(cls) if f.name != "name"}
+    for section, cls in (("models", ModelShape), ("accelerators", Accelerator), ("links", HostLink))
 }
-_KINDS = {"int": int, "float": (int, float), "str": str}
+_KINDS: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str}
 EXPERT_FORMATS = ("bf16", "fp16", "fp32", "mxfp4")
 
 
@@ -167,13 +166,14 @@ def _checked(where: str, raw: Any, fields: dict[str, str]) -> dict:
     for name, kind in fields.items():
         if name not in raw:
             raise ProfileError(f"{where}.{name} is missing")
-        value = raw[name]
+        value: Any = raw[name]
         if isinstance(value, bool) or not isinstance(value, _KINDS[kind]):
             raise ProfileError(f"{where}.{name}={value!r} must be of type {kind}")
-        if kind != "str" and not value > 0 and not name.endswith("fixed_s"):
-            raise ProfileError(f"{where}.{name}={value!r} must be > 0")
-        if kind != "str" and value < 0:
-            raise ProfileError(f"{where}.{name}={value!r} must be >= 0")
+        if kind != "str":
+            zero_ok = name.endswith("fixed_s")  # a fixed cost may be zero, nothing else may
+            number = cast(float, value)
+            if number < 0 or (number == 0 and not zero_ok):
+                raise ProfileError(f"{where}.{name}={value!r} must be {'>= 0' if zero_ok else '> 0'}")
         out[name] = value
     return out
 
@@ -210,7 +210,7 @@ def load_profiles(path: Path | str | None = None) -> dict[str, Profile]:
                 f"num_experts={model.num_experts}"
             )
     profiles = {}
-    refs = {"model": "models", "accelerator": "accelerators", "link": "links", "expert_budget_bytes": None}
+    refs = {"model": "models", "accelerator": "accelerators", "link": "links"}
     for key, raw in (data.get("profiles") or {}).items():
         where = f"{label}: profiles.{key}"
         fields = _checked(
@@ -218,8 +218,6 @@ def load_profiles(path: Path | str | None = None) -> dict[str, Profile]:
         )
         resolved = {}
         for field, section in refs.items():
-            if section is None:
-                continue
             if fields[field] not in parts[section]:
                 raise ProfileError(f"{where}.{field}={fields[field]!r} is not one of {sorted(parts[section])}")
             resolved[field] = parts[section][fields[field]]

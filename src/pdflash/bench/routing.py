@@ -32,7 +32,8 @@ class Round:
 
 
 class RoutingSource(Protocol):
-    description: str
+    @property
+    def description(self) -> str: ...
 
     def prefill_union(self, seq: int, prompt_tokens: int) -> Union: ...
 
@@ -162,6 +163,7 @@ class RoutingRecorder:
 
         def recording_begin(requests):
             sessions = begin(requests)
+            assert self._last is not None  # begin_sessions ran one committed forward
             for s, routed in zip(sessions, self._last.split(self._last.routed), strict=True):
                 self.records[s] = {
                     "prompt_ids": list(s.prompt_ids),

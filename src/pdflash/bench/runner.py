@@ -53,6 +53,7 @@ class EngineRecipe:
     def budgets(self, config: BenchConfig) -> dict:
         if not config.two_dimensional:
             return {}
+        assert self.scale is not None, "a 2-D configuration is offloaded: it needs a time scale"
         return two_d_budgets(
             max_num_seqs=self.max_num_seqs,
             block_size=self.block_size,
@@ -63,6 +64,7 @@ class EngineRecipe:
     def build(self, plan: BenchPlan, config: BenchConfig) -> AsyncEngine:
         offload = None
         if config.offloaded:
+            assert self.scale is not None, "an offloaded configuration needs a time scale"
             offload = {
                 "expert_cache_fraction": self.scale.cache_fraction,
                 "link_gbps": self.scale.link_gbps,
@@ -126,6 +128,7 @@ async def _one_request(engine: AsyncEngine, prompt: list[int], params: SamplingP
         times.append(time.perf_counter())
         tokens.append(len(out.token_ids))
         last = out
+    assert last is not None, "a stream ends with a finished delta"
     m = last.metrics
     coverage = (m.session_stats or {}).get("projection_coverage_bytes") if m.acceptance_lengths else None
     return RequestRecord(
@@ -199,7 +202,7 @@ def sweep(
     pool: Sequence[list[int]],
     *,
     progress: Callable[[str], None] = lambda _: None,
-    record: dict[str, RoutingRecorder] | None = None,
+    record: dict[str, list[RoutingRecorder]] | None = None,
 ) -> list[PointResult]:
     """Every configuration at every concurrency, interleaved: for each concurrency and repeat,
     each configuration once (the order rotates per repeat); the median-tokens/s repeat is kept."""

@@ -22,7 +22,7 @@ from pdflash.bench.costs import CostModel
 from pdflash.bench.metrics import PointResult, RequestRecord, Traffic, summarise
 from pdflash.bench.routing import Round, RoutingSource
 from pdflash.bench.sim_cache import SimCache
-from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.engine.scheduler import Ticket, VerifyScheduler
 from pdflash.spec.projection import ExpertKey
 
 
@@ -55,13 +55,18 @@ class _Seq:
     emitted: int = 0
     rounds: int = 0
     drafted_at: float = 0.0
-    pending: Round | None = None
-    ticket: object = None
+    pending: Round | None = None  # the drafted round awaiting its verify
+    ticket: Ticket | None = None
     times: list[float] = attrs.Factory(list)
     tokens: list[int] = attrs.Factory(list)
     lengths: list[int] = attrs.Factory(list)
     wait_s: float = 0.0
     coverage: list[float] = attrs.Factory(list)
+
+
+def _round(q: _Seq) -> Round:
+    assert q.pending is not None, f"request {q.rid} has no drafted round"
+    return q.pending
 
 
 class Simulator:
@@ -127,11 +132,12 @@ class Simulator:
         self._draft()
         admitted = self._admit()
         if admitted and self.cache is not None:
-            self.cache.prefetch(frozenset().union(*(q.pending.projected for q in admitted)), self.now)
+            self.cache.prefetch(frozenset().union(*(_round(q).projected for q in admitted)), self.now)
         self._verify(admitted)
 
     def _prefill(self) -> None:
-        batch, tokens = [], 0
+        batch: list[_Seq] = []
+        tokens = 0
         while self.waiting and len(self.live) + len(batch) < self.s.max_num_seqs:
             q = self.waiting[0]
             if batch and tokens + q.prompt_tokens > self.s.prefill_token_budget:
@@ -153,9 +159,10 @@ class Simulator:
         if not batch:
             return
         sizes = [min(self.block, q.max_tokens - q.emitted + 1) for q in batch]
+        context = sum(q.lengths[-1] if q.lengths else q.prompt_tokens for q in batch)  # features not yet drafted on
         started = self.now
         self.now += self.s.costs.draft_s(
-            len(batch), sum(sizes), speculative=self.s.config.speculative, router=self.router
+            len(batch), sum(sizes), context, speculative=self.s.config.speculative, router=self.router
         )
         self.model_s += self.now - started
         resident = self.cache.resident() if self.cache is not None else frozenset()
@@ -180,13 +187,13 @@ class Simulator:
     def _verify(self, batch: list[_Seq]) -> None:
         if not batch:
             return
-        tokens = sum(q.pending.tokens for q in batch)
-        unions = [q.pending.actual for q in batch]
+        tokens = sum(_round(q).tokens for q in batch)
+        unions = [_round(q).actual for q in batch]
         experts = len(frozenset().union(*unions))
         self._forward(unions, self.s.costs.verify_s(tokens, len(batch), experts))
         for q in batch:
             self.scheduler.finish(q.rid)
-            r, q.pending, q.ticket = q.pending, None, None
+            r, q.pending, q.ticket = _round(q), None, None
             accepted = min(r.acceptance_length, q.max_tokens - q.emitted)
             q.rounds += 1
             q.lengths.append(accepted)
