@@ -22,18 +22,19 @@ class ConstantCosts:
 
     prefill: float = 0.010
     draft: float = 0.004
-    verify: float = 0.006
+    verify_dense: float = 0.002
+    verify_experts: float = 0.004
     step: float = 0.001
     description: str = "constant"
 
-    def prefill_s(self, tokens, seqs, experts):
-        return self.prefill
+    def prefill_s(self, tokens, seqs, experts, *, offloaded):
+        return self.prefill, 0.0
 
     def draft_s(self, seqs, tokens, context, *, speculative, router):
         return self.draft
 
-    def verify_s(self, tokens, seqs, experts):
-        return self.verify
+    def verify_s(self, tokens, seqs, experts, *, offloaded):
+        return self.verify_dense, self.verify_experts
 
     def step_s(self, seqs):
         return self.step
@@ -83,8 +84,8 @@ def test_one_sequence_without_cache_hits_equals_the_arithmetic(config, tau):
     )
     rounds = math.ceil((max_tokens - 1) / tau)  # the prefill emits the first token
     fetch_s = EXPERT_BYTES / 1e9  # one expert per layer per round, fetched on demand, serially
-    # each layer waits for its expert, then computes its share of the verify
-    verify_s = LAYERS * fetch_s + costs.verify
+    # each layer runs its attention, then asks for its expert, waits for it and computes it
+    verify_s = costs.verify_dense + LAYERS * fetch_s + costs.verify_experts
     wall_s = rounds * costs.step + costs.prefill + rounds * (costs.draft + verify_s)
     assert result.wall_s == pytest.approx(wall_s)
     assert result.ms_per_token == pytest.approx(1e3 * wall_s / max_tokens)
@@ -143,7 +144,7 @@ def test_bad_configs_name_the_value():
 
 def test_simulate_json_contract(capsys):
     argv = "simulate --profile qwen3-30b-a3b@h200-pcie5 --configs ar --concurrency 1"
-    code = cli.main([*argv.split(), "--expert-cache-bytes", str(24 * 10**9), "--json", "--max-tokens", "8"])
+    code = cli.main([*argv.split(), "--expert-cache-bytes", str(24 * 10**9), "--json", "--max-tokens", "8", "--min-requests", "1"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     first = report["results"][0]

@@ -26,6 +26,7 @@ from pdflash.offload import OffloadedExperts, load_offloaded_target
 from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator
+from pdflash.target.loader import load_target
 
 BATCHES = (1, 2, 4, 8, 16, 32)
 REPEATS = 3  # passes over BATCHES; each shape's median is fitted
@@ -58,27 +59,32 @@ def calibrate(
 ) -> CalibratedCosts:
     loaded = load_offloaded_target(target, expert_cache_fraction=1.0)
     provider = cast(OffloadedExperts, loaded.model.experts)
+    resident = load_target(target)
     try:
         draft_model = load_drafter(drafter, loaded.model)
-        specs = [
-            Speculator(
-                loaded.model,
-                draft_model if speculative else None,
-                expert_nbytes=loaded.expert_nbytes,
-                projector="router",
-                resident=provider.resident,
+        specs = [  # (speculator, phase prefix): offloaded with the router projector, resident without
+            (
+                Speculator(
+                    model.model,
+                    draft_model if speculative else None,
+                    expert_nbytes=model.expert_nbytes,
+                    projector="router" if offloaded else "last-union",
+                    resident=provider.resident if offloaded else frozenset,
+                ),
+                "" if offloaded else "resident_",
             )
+            for offloaded, model in ((True, loaded), (False, resident))
             for speculative in (False, True)
         ]
         for _ in range(2):  # warm-up: every expert lands in the cache, kernels are loaded
-            for spec in specs:
-                _rounds(spec, pool[:8], 2, Samples())
+            for spec, prefix in specs:
+                _rounds(spec, pool[:8], 2, Samples(), prefix)
         progress("warm-up")
         samples = Samples()
         for _ in range(REPEATS):
             for n in BATCHES:
-                for spec in specs:
-                    _rounds(spec, [pool[i % len(pool)] for i in range(n)], rounds, samples)
+                for spec, prefix in specs:
+                    _rounds(spec, [pool[i % len(pool)] for i in range(n)], rounds, samples, prefix)
                 progress(f"calibrate batch {n}")
         step = _step_overhead(target, pool)
     finally:
@@ -88,16 +94,20 @@ def calibrate(
         drafter=samples.fit("drafter"),
         projection=samples.fit("projection"),
         verify=samples.fit("verify"),
+        resident_prefill=samples.fit("resident_prefill"),
+        resident_verify=samples.fit("resident_verify"),
         step=fit_linear([[n] for n, _ in step], [s for _, s in step]),
         machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch thread(s)",
     )
 
 
-def _rounds(spec: Speculator, prompts, rounds: int, samples: Samples) -> None:
+def _rounds(spec: Speculator, prompts, rounds: int, samples: Samples, prefix: str) -> None:
+    """Prefill `prompts` and run `rounds` batched rounds, timing each phase; the drafter and the
+    router projection are only sampled on the offloaded target (prefix ""), where the engine uses them."""
     params = SamplingParams(max_tokens=rounds * spec.block_size + 2)
     speculative = spec.drafter is not None
     seconds, sessions = _timed(spec.begin_sessions, [(p, params) for p in prompts])
-    samples.add("prefill", (speculative, len(prompts)), sum(map(len, prompts)), len(prompts), seconds)
+    samples.add(prefix + "prefill", (speculative, len(prompts)), sum(map(len, prompts)), len(prompts), seconds)
     context = sum(map(len, prompts))  # tap features the drafter has not seen yet
     for index in range(rounds):
         live = [s for s in sessions if not s.finished]
@@ -107,12 +117,13 @@ def _rounds(spec: Speculator, prompts, rounds: int, samples: Samples) -> None:
         seconds, results = _timed(spec.draft_rounds, live)
         projection = sum(r.projection_seconds for r in results)
         tokens = sum(r.tokens for r in results)
-        samples.add("projection", key, tokens, len(live), projection)
-        if speculative:
+        if not prefix:
+            samples.add("projection", key, tokens, len(live), projection)
+        if speculative and not prefix:
             samples.add("drafter", key, len(live), context, seconds - projection)
         seconds, verified = _timed(spec.verify_rounds, live)
         experts = len(frozenset().union(*(s.last_union for s in live)))
-        samples.add("verify", key, tokens, experts, len(live), seconds)
+        samples.add(prefix + "verify", key, tokens, experts, len(live), seconds)
         context = sum(len(v.accepted_ids) for v in verified)
     for s in sessions:
         spec.release(s)

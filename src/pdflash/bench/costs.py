@@ -24,25 +24,30 @@ class CostModel(Protocol):
     @property
     def description(self) -> str: ...
 
-    def prefill_s(self, tokens: int, seqs: int, experts: int) -> float: ...
+    # Target forwards return (dense_s, expert_s): the part a layer computes before its MoE block
+    # waits for experts (attention, routing) and the expert compute, each summed over layers.
+    def prefill_s(self, tokens: int, seqs: int, experts: int, *, offloaded: bool) -> tuple[float, float]: ...
     def draft_s(self, seqs: int, tokens: int, context: int, *, speculative: bool, router: bool) -> float: ...
-    def verify_s(self, tokens: int, seqs: int, experts: int) -> float: ...
+    def verify_s(self, tokens: int, seqs: int, experts: int, *, offloaded: bool) -> tuple[float, float]: ...
     def step_s(self, seqs: int) -> float: ...
 
 
 def fit_linear(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> tuple[float, ...]:
-    """Non-negative least squares (intercept, slopes...) of ys over the columns of xs: the best
-    unconstrained fit over every subset of the terms whose coefficients all come out >= 0
-    (exact for the few terms a cost has; a negative cost per token would be nonsense)."""
-    design = np.column_stack([np.ones(len(ys)), np.asarray(xs, dtype=float)])  # [n, 1 + terms]
+    """Non-negative least squares of relative error: (intercept, slopes...) of ys over the
+    columns of xs minimising sum(((fit - y) / y)^2), so a 3 ms forward weighs as much as a
+    50 ms one. The best unconstrained fit over every subset of the terms whose coefficients
+    all come out >= 0 (exact for the few terms a cost has; a negative cost would be nonsense)."""
     y = np.asarray(ys, dtype=float)
-    best, best_residual = np.zeros(design.shape[1]), float(np.sum(y**2))
+    weight = 1.0 / np.maximum(y, 1e-9)
+    design = np.column_stack([np.ones(len(ys)), np.asarray(xs, dtype=float)]) * weight[:, None]  # [n, 1 + terms]
+    target = y * weight
+    best, best_residual = np.zeros(design.shape[1]), float(np.sum(target**2))
     for subset in itertools.product((False, True), repeat=design.shape[1]):
         if not any(subset):
             continue
         cols = np.flatnonzero(subset)
-        coef, *_ = np.linalg.lstsq(design[:, cols], y, rcond=None)
-        residual = float(np.sum((design[:, cols] @ coef - y) ** 2))
+        coef, *_ = np.linalg.lstsq(design[:, cols], target, rcond=None)
+        residual = float(np.sum((design[:, cols] @ coef - target) ** 2))
         if (coef >= 0).all() and residual < best_residual:
             best, best_residual = np.zeros(design.shape[1]), residual
             best[cols] = coef
@@ -57,23 +62,27 @@ def _line(coef: Sequence[float], *xs: float) -> float:
 class CalibratedCosts:
     """Per-forward times measured here: each a linear fit (intercept first, seconds)."""
 
-    prefill: tuple[float, ...]  # (s, s/token, s/sequence) over prompt tokens and sequences
+    prefill: tuple[float, ...]  # offloaded target: (s, s/token, s/sequence) over prompt tokens and sequences
     drafter: tuple[float, ...]  # drafter forward: (s, s/sequence, s/new context feature)
     projection: tuple[float, ...]  # router-only pass: (s, s/block token, s/sequence)
-    verify: tuple[float, ...]  # (s, s/token, s/distinct expert of the batch, s/sequence)
+    verify: tuple[float, ...]  # offloaded target: (s, s/token, s/distinct expert of the batch, s/sequence)
+    resident_prefill: tuple[float, ...]  # resident target, as prefill
+    resident_verify: tuple[float, ...]  # resident target, as verify
     step: tuple[float, ...]  # engine bookkeeping per step: (s, s/live sequence)
     machine: str = ""
     description: str = "calibrated on this machine"
 
-    def prefill_s(self, tokens: int, seqs: int, experts: int) -> float:
-        return _line(self.prefill, tokens, seqs)
+    def prefill_s(self, tokens: int, seqs: int, experts: int, *, offloaded: bool) -> tuple[float, float]:
+        return _line(self.prefill if offloaded else self.resident_prefill, tokens, seqs), 0.0
 
     def draft_s(self, seqs: int, tokens: int, context: int, *, speculative: bool, router: bool) -> float:
         drafter = _line(self.drafter, seqs, context) if speculative else 0.0
         return drafter + (_line(self.projection, tokens, seqs) if router else 0.0)
 
-    def verify_s(self, tokens: int, seqs: int, experts: int) -> float:
-        return _line(self.verify, tokens, experts, seqs)
+    def verify_s(self, tokens: int, seqs: int, experts: int, *, offloaded: bool) -> tuple[float, float]:
+        fit = self.verify if offloaded else self.resident_verify
+        expert_s = fit[2] * experts
+        return _line(fit, tokens, experts, seqs) - expert_s, expert_s
 
     def step_s(self, seqs: int) -> float:
         return _line(self.step, seqs)
@@ -85,7 +94,7 @@ class CalibratedCosts:
     def from_json(cls, path: Path | str) -> CalibratedCosts:
         data = json.loads(Path(path).read_text())
         fields = {f.name for f in attrs.fields(cls)}
-        missing = sorted({"prefill", "drafter", "projection", "verify", "step"} - set(data))
+        missing = sorted(fields - {"machine", "description"} - set(data))
         if missing:
             raise ValueError(f"{path}: calibration lacks {missing}; write it with `pdflash bench --calibrate`")
         values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}
@@ -106,11 +115,19 @@ class RooflineCosts:
             f"roofline on {a.name}: {a.hbm_bytes_per_s / 1e12:g} TB/s HBM, {a.per_layer_fixed_s * 1e6:g} µs per layer"
         )
 
-    def prefill_s(self, tokens: int, seqs: int, experts: int) -> float:
-        return self.profile.forward_s(tokens, experts)
+    def prefill_s(self, tokens: int, seqs: int, experts: int, *, offloaded: bool) -> tuple[float, float]:
+        return self._split(tokens, experts)
 
-    def verify_s(self, tokens: int, seqs: int, experts: int) -> float:
-        return self.profile.forward_s(tokens, experts)
+    def verify_s(self, tokens: int, seqs: int, experts: int, *, offloaded: bool) -> tuple[float, float]:
+        return self._split(tokens, experts)
+
+    def _split(self, tokens: int, experts: int) -> tuple[float, float]:
+        """The roofline time, split by the share of the bytes read that are experts'."""
+        m = self.profile.model
+        total = self.profile.forward_s(tokens, experts)
+        expert_bytes = experts * m.expert_bytes
+        expert_s = total * expert_bytes / (expert_bytes + m.dense_bytes_per_forward)
+        return total - expert_s, expert_s
 
     def draft_s(self, seqs: int, tokens: int, context: int, *, speculative: bool, router: bool) -> float:
         m, a = self.profile.model, self.profile.accelerator

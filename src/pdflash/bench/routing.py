@@ -193,7 +193,8 @@ class RoutingRecorder:
         speculator.verify_rounds = recording_verify
 
     def sequences(self) -> list[dict]:
-        return [r for r in self.records.values() if r["rounds"]]
+        """Every recorded session (one that stopped at its first token has no rounds)."""
+        return list(self.records.values())
 
 
 def write_traces(path: Path | str, traces: dict[str, list[dict]], meta: dict) -> None:

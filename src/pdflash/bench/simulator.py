@@ -104,23 +104,25 @@ class Simulator:
         self.done: list[_Seq] = []
 
     # -- forwards --
-    def _forward(self, unions: Sequence[frozenset[ExpertKey]], compute_s: float) -> None:
-        """A target forward layer by layer: each layer waits for its experts, then computes."""
+    def _forward(self, unions: Sequence[frozenset[ExpertKey]], dense_s: float, expert_s: float) -> None:
+        """A target forward layer by layer: attention and routing, then the MoE block, which asks
+        for its missing experts and computes in waves as they land (the last wave after the last
+        copy), as OffloadedExperts.waves serves a forward."""
         started = self.now
         if self.cache is None:
-            self.now += compute_s
+            self.now += dense_s + expert_s
         else:
-            per_layer = compute_s / len(self.s.moe_layers)
+            dense_l, expert_l = dense_s / len(self.s.moe_layers), expert_s / len(self.s.moe_layers)
             by_layer: dict[int, set[int]] = {layer: set() for layer in self.s.moe_layers}
             for union in unions:
                 for layer, expert in union:
                     by_layer[layer].add(expert)
             for layer in self.s.moe_layers:
+                self.now += dense_l
                 experts = by_layer[layer]
                 held, ready = self.cache.acquire(layer, experts, self.now)
-                # waves: compute on what is resident while the rest lands; the last wave after it
-                done = max(self.now + per_layer, ready + per_layer / max(1, len(experts)))
-                self.cache.counters.exposed_fetch_s += done - self.now - per_layer
+                done = max(self.now + expert_l, ready + expert_l / max(1, len(experts)))
+                self.cache.counters.exposed_fetch_s += done - self.now - expert_l
                 self.now = done
                 self.cache.release(held)
         self.model_s += self.now - started
@@ -148,7 +150,7 @@ class Simulator:
             return
         unions = [self.s.routing.prefill_union(q.route, q.prompt_tokens) for q in batch]
         experts = len(frozenset().union(*unions))
-        self._forward(unions, self.s.costs.prefill_s(tokens, len(batch), experts))
+        self._forward(unions, *self.s.costs.prefill_s(tokens, len(batch), experts, offloaded=self.cache is not None))
         for q in batch:
             self._emit(q, 1)
             if q.emitted < q.max_tokens:
@@ -190,7 +192,7 @@ class Simulator:
         tokens = sum(_round(q).tokens for q in batch)
         unions = [_round(q).actual for q in batch]
         experts = len(frozenset().union(*unions))
-        self._forward(unions, self.s.costs.verify_s(tokens, len(batch), experts))
+        self._forward(unions, *self.s.costs.verify_s(tokens, len(batch), experts, offloaded=self.cache is not None))
         for q in batch:
             self.scheduler.finish(q.rid)
             r, q.pending, q.ticket = _round(q), None, None
