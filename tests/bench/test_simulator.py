@@ -151,3 +151,16 @@ def test_simulate_json_contract(capsys):
     assert (first["config"], first["concurrency"]) == ("ar", 1)
     assert first["ms_per_token"] > get_profile("qwen3-30b-a3b@h200-pcie5").ar_step_s * 1e3
     assert report["regime_ratio"] == pytest.approx(get_profile("qwen3-30b-a3b@h200-pcie5").regime_ratio)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--concurrency", "0"], "--concurrency=0 is invalid: it must be >= 1"),
+        (["--expert-cache-bytes", "1000"], "--expert-cache-bytes=1000 holds 0 experts of 9,437,184 bytes"),
+        (["--configs", "b7"], "'b7' is not a configuration"),
+    ],
+)
+def test_bad_simulate_flags_exit_2_naming_the_value(capsys, argv, named):
+    assert cli.main(["simulate", "--configs", "ar", "--concurrency", "1", *argv]) == 2
+    assert named in capsys.readouterr().err

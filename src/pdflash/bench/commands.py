@@ -39,10 +39,19 @@ def _common(p: argparse.ArgumentParser, concurrency: list[int]) -> None:
     p.add_argument(
         "--concurrency", type=int, nargs="+", default=concurrency, help=f"closed-loop clients (default {concurrency})"
     )
-    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"deployment profile (default {DEFAULT_PROFILE})")
+    p.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"deployment profile, one of {', '.join(_profile_names())} (default {DEFAULT_PROFILE})",
+    )
     p.add_argument("--profiles-file", type=Path, help="a profile file in the shipped profiles.json format")
     p.add_argument("--min-requests", type=int, default=8, help="requests per point at least (default 8)")
-    p.add_argument("--eviction", default="activation", choices=["lru", "lfu", "activation"], help="cache policy")
+    p.add_argument(
+        "--eviction",
+        default="activation",
+        choices=["lru", "lfu", "activation"],
+        help="cache policy (default activation)",
+    )
     p.add_argument("--plots", type=Path, metavar="PREFIX", help="write PREFIX-throughput/-latency/-bytes.png")
     p.add_argument("--markdown", type=Path, metavar="FILE", help="also write the Markdown report to FILE")
     _json_flag(p)
@@ -97,6 +106,27 @@ def register_subcommands(sub) -> None:
     sim.set_defaults(func=cmd_simulate)
 
 
+def _profile_names() -> list[str]:
+    from pdflash.bench.profiles import load_profiles
+
+    return sorted(load_profiles())
+
+
+POSITIVE = ("concurrency", "min_requests", "max_tokens", "prompts", "repeats", "prompt_tokens", "block_size")
+
+
+def check_positive(args: argparse.Namespace) -> None:
+    """Counts must be >= 1: say which flag and what it got."""
+    for name in POSITIVE:
+        value = getattr(args, name, None)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={v} is invalid: it must be >= 1")
+    cache = getattr(args, "expert_cache_bytes", None)
+    if cache is not None and cache <= 0:
+        raise ValueError(f"--expert-cache-bytes={cache} is invalid: it must be > 0")
+
+
 def _progress(total: int, desc: str, quiet: bool):
     from tqdm import tqdm
 
@@ -121,6 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pdflash.bench import bench_main
 
     try:
+        check_positive(args)
         return bench_main.run(args)
     except ValueError as exc:
         print(f"pdflash bench: {exc}", file=sys.stderr)
@@ -131,6 +162,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pdflash.bench import simulate_main
 
     try:
+        check_positive(args)
         return simulate_main.run(args)
     except ValueError as exc:
         print(f"pdflash simulate: {exc}", file=sys.stderr)

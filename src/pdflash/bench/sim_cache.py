@@ -22,7 +22,7 @@ from pdflash.offload.prefetch import Priority
 from pdflash.spec.projection import ExpertKey
 
 
-class SimulationError(RuntimeError):
+class SimulationError(ValueError):
     """The simulated configuration cannot run (the message says which value)."""
 
 

@@ -41,6 +41,11 @@ def run(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile, args.profiles_file)
     m = profile.model
     budget = profile.expert_budget_bytes if args.expert_cache_bytes is None else args.expert_cache_bytes
+    if budget // m.expert_bytes < 2:
+        raise ValueError(
+            f"--expert-cache-bytes={budget} holds {budget // m.expert_bytes} experts of {m.expert_bytes:,} bytes "
+            f"({m.name}); the cache needs at least 2 (>= {2 * m.expert_bytes} bytes)"
+        )
     byte_map = {(layer, e): m.expert_bytes for layer in range(m.num_hidden_layers) for e in range(m.num_experts)}
     if args.acceptance is not None:
         acceptance, acceptance_source = (
