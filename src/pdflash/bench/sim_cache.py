@@ -71,6 +71,9 @@ class SimCache:
         self._link_free_at = 0.0
         self._claimed: dict[int, set[ExpertKey]] = {}
         self._lane_victims: list[_Entry] | None = None  # valid until pins or scores change
+        # Every shipped policy scores (layer, expert) from that layer's routing history only, so a
+        # score changes only when its layer is observed (or the key forgotten): cache per layer.
+        self._scores: dict[int, dict[ExpertKey, tuple]] = {}
 
     def resident(self) -> frozenset[ExpertKey]:
         """Resident or being copied (queued prefetches excluded), like OffloadedExperts.resident()."""
@@ -90,6 +93,7 @@ class SimCache:
         returns the pinned entries and the virtual time the last of them lands."""
         experts = sorted(set(experts))
         self.policy.observe(layer, experts)
+        self._scores.pop(layer, None)
         self._lane_victims = None
         for key in self._claimed.pop(layer, ()):
             if key in self.table:
@@ -146,12 +150,19 @@ class SimCache:
         candidates = [
             e for e in self.table.values() if e.ready_at <= now and e.pins == 0 and (allow_claimed or not e.claimed)
         ]
-        return heapq.nsmallest(n, candidates, key=lambda e: (e.claimed, self.policy.score(e.key)))
+        return heapq.nsmallest(n, candidates, key=lambda e: (e.claimed, self._score(e.key)))
+
+    def _score(self, key: ExpertKey) -> tuple:
+        layer = self._scores.setdefault(key[0], {})
+        if key not in layer:
+            layer[key] = self.policy.score(key)
+        return layer[key]
 
     def _evict(self, entry: _Entry) -> None:
         del self.table[entry.key]
         self._claimed.get(entry.key[0], set()).discard(entry.key)
         self.policy.forget(entry.key)
+        self._scores.get(entry.key[0], {}).pop(entry.key, None)
         self.counters.evictions += 1
         if entry.prefetched:
             self.counters.prefetch_waste_bytes += entry.nbytes
