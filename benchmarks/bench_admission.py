@@ -13,15 +13,8 @@ import random
 import statistics
 import time
 
-from pdflash.engine.scheduler import (
-    ChargeMode,
-    Deficit2D,
-    ExpertMasks,
-    VerifyDemand,
-    admit_verify_demands,
-    charge_bytes,
-    marginal_charges,
-)
+from pdflash.engine.admission import ZERO, TokensBytes, VerifyDemand, admit_verify_demands
+from pdflash.engine.charging import ChargeMode, ExpertMasks, charge_bytes
 
 LAYERS, EXPERTS, TOP_K, BLOCK = 48, 128, 8, 8  # Qwen3-30B-A3B, DFlash block of 8
 EXPERT_BYTES = 9_437_184  # one bf16 expert (3 x 2048 x 768 x 2 bytes)
@@ -73,13 +66,11 @@ def main() -> None:
         f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()} on {platform.system()}"
     )
-    budget = Deficit2D(64, 200 * EXPERT_BYTES)
-    cap = Deficit2D(8192, 10**12)
+    budget = TokensBytes(64, 200 * EXPERT_BYTES)
+    cap = TokensBytes(8192, 10**12)
     times = {}
     for name, demands in admission_cases(args.pending, rng).items():
-        times[name] = median_us(
-            lambda demands=demands: admit_verify_demands(demands, budget, Deficit2D(0, 0), cap), args.repeats
-        )
+        times[name] = median_us(lambda demands=demands: admit_verify_demands(demands, budget, ZERO, cap), args.repeats)
     base = times["first-fit over a mixed line"]
     for name, us in times.items():
         print(f"admit_verify_demands, {args.pending} pending, {name:28s}: {us:8.1f} us median  (x{us / base:.2f})")
@@ -91,7 +82,10 @@ def main() -> None:
     shape = f"{args.pending} pending, ~{mean_union:.0f} experts per union, 1/4 resident"
     masks = ExpertMasks(byte_map)
     unions = [masks.mask(p.union) for p in pending]
-    tick_us = median_us(lambda: marginal_charges(masks, unions, masks.mask(resident)), args.charge_repeats)
+    tick_us = median_us(
+        lambda: charge_bytes(pending, ChargeMode.MARGINAL, masks, resident, frozenset(), union_masks=unions),
+        args.charge_repeats,
+    )
     mask_us = median_us(lambda: masks.mask(pending[0].union), args.charge_repeats)
     fresh_us = median_us(
         lambda: charge_bytes(pending, ChargeMode.MARGINAL, byte_map, resident, frozenset()), args.charge_repeats

@@ -97,14 +97,9 @@ def main() -> None:
         ):
             rates.append(statistics.median(r.stats["tokens_per_second"] for r in results))
             round_ms[step].append(
-                statistics.median(
-                    1e3 * (r.stats["seconds"] - r.stats["time_to_first_token_seconds"]) / r.stats["rounds"]
-                    for r in results
-                )
+                statistics.median(1e3 * (r.stats["elapsed_s"] - r.stats["ttft_s"]) / r.stats["rounds"] for r in results)
             )
-            round_ms[forward].append(
-                statistics.median(1e3 * r.stats["verify_seconds"] / r.stats["rounds"] for r in results)
-            )
+            round_ms[forward].append(statistics.median(1e3 * r.stats["verify_s"] / r.stats["rounds"] for r in results))
     sampled = []
     for i, ids in enumerate(tqdm(prompts, desc=f"sampled T={args.sample_temperature}")):
         params = SamplingParams(temperature=args.sample_temperature, max_tokens=args.max_tokens, seed=i)

@@ -43,7 +43,7 @@ async def main(args: argparse.Namespace) -> None:
     rounds = m.acceptance_lengths
     print(
         f"\n\n{m.generated_tokens} tokens in {time.perf_counter() - started:.2f} s, finish: {out.finish_reason}, "
-        f"TTFT {1000 * m.ttft_seconds:.0f} ms, "
+        f"TTFT {1000 * m.ttft_s:.0f} ms, "
         f"mean acceptance {sum(rounds) / len(rounds) if rounds else 0:.2f} over {len(rounds)} verify rounds, "
         f"projected expert bytes {m.expert_bytes:,}",
         file=sys.stderr,

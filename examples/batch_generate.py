@@ -66,7 +66,7 @@ async def main(args: argparse.Namespace) -> None:
             "token_ids": ids,
             "finish_reason": out.finish_reason,
             "acceptance_lengths": list(m.acceptance_lengths),
-            "ttft_seconds": m.ttft_seconds,
+            "ttft_s": m.ttft_s,
         }
 
     started = time.perf_counter()

@@ -73,7 +73,7 @@ def mxfp4_expert_layout(
         if size <= 0 or size % BLOCK_SIZE != 0:
             raise ValueError(f"{name} must be a positive multiple of 32; got {size}")
     h_blocks, i_blocks = hidden_size // BLOCK_SIZE, intermediate_size // BLOCK_SIZE
-    layout = {
+    layout: dict[str, tuple[Sequence[int], torch.dtype]] = {
         "gate_blocks": ((intermediate_size, h_blocks, 16), torch.uint8),
         "gate_scales": ((intermediate_size, h_blocks), torch.uint8),
         "up_blocks": ((intermediate_size, h_blocks, 16), torch.uint8),

@@ -98,7 +98,7 @@ def test_offload_flags_keep_tokens_and_report_traffic(capsys, tiny_target, draft
     assert offloaded["token_ids"] == resident["token_ids"]
     stats = offloaded["stats"]
     assert stats["link"] == "emulated" and stats["expert_bytes_fetched"] > 0
-    for key in ("expert_cache_peak_bytes", "expert_cache_hit_rate", "exposed_fetch_seconds"):
+    for key in ("expert_cache_peak_bytes", "expert_cache_hit_rate", "exposed_fetch_s"):
         assert key in stats
 
 

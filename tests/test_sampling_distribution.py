@@ -49,7 +49,7 @@ def test_second_token_follows_target_distribution(pair, top_k):
     requests = [(PROMPT, SamplingParams(temperature=1.0, top_k=top_k, max_tokens=2, seed=s)) for s in range(SEEDS)]
     sessions = spec.begin_sessions(requests)
     spec.draft_rounds(sessions)
-    accepted = sum(r.accept_len for r in spec.verify_rounds(sessions))
+    accepted = sum(r.accepted_drafts for r in spec.verify_rounds(sessions))
     assert accepted > 0, "the drafter's proposal was never accepted: the test would not exercise acceptance"
     counts = torch.bincount(torch.tensor([s.emitted[1] for s in sessions]), minlength=VOCAB).double()
     expected = second_token_distribution(loaded.model, requests[0][1]).double() * SEEDS

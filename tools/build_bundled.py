@@ -183,7 +183,7 @@ def stage_tokenizer(args) -> None:
     stats = {
         "vocab_size": tokenizer.get_vocab_size(),
         "heldout_bytes_per_token": n_bytes / n_tok,
-        "train_seconds": time.perf_counter() - started,
+        "train_s": time.perf_counter() - started,
     }
     (args.work / "tokenizer_stats.json").write_text(json.dumps(stats, indent=1))
     print(f"tokenizer: vocab {stats['vocab_size']}, {stats['heldout_bytes_per_token']:.3f} held-out bytes/token")
@@ -382,7 +382,7 @@ def stage_target(args) -> dict:
             entry = {
                 "step": step,
                 "tokens": tokens,
-                "seconds": round(now, 1),
+                "elapsed_s": round(now, 1),
                 "lr": lr,
                 "loss": value,
                 "loss_ema": ema,
@@ -406,7 +406,7 @@ def stage_target(args) -> dict:
         "tokens": tokens,
         "train_stream_tokens": len(data),
         "epochs": tokens / len(data),
-        "wall_seconds": wall,
+        "wall_s": wall,
         "tokens_per_second": tokens / wall,
         "final_loss_ema": ema,
         "final_loss": log[-1]["loss"] if log else None,
@@ -552,7 +552,7 @@ def stage_eval(args) -> dict:
             f"eval: repeated 4-gram share over {len(PROMPTS)} greedy continuations ({variant}): "
             f"{rep / max(1, total):.4f} ({rep}/{total})"
         )
-    gen_seconds = time.perf_counter() - t0
+    gen_s = time.perf_counter() - t0
     reference = code_repetition(tokenizer, read_texts(split, "heldout"), args.gen_tokens, args.seed)
     print(f"eval: repeated 4-gram share of held-out code itself ({args.gen_tokens}-token windows): {reference:.4f}")
     main_run = runs["as_written"]
@@ -570,7 +570,7 @@ def stage_eval(args) -> dict:
         "repeated_4gram_share": share,
         "repeated_4grams": rep,
         "total_4grams": total,
-        "generation_seconds": gen_seconds,
+        "generation_s": gen_s,
         "samples": samples,
         "stripped": runs["stripped"],
         "heldout_code_share": reference,
@@ -872,7 +872,7 @@ def stage_card(args) -> Path:
         f"windows over the packed stream, seed {a['seed']}.",
         "",
         f"- Steps: {train['steps']:,}; tokens: {train['tokens']:,} ({train['epochs']:.2f} epochs); wall time "
-        f"{train['wall_seconds'] / 60:.1f} min; {train['tokens_per_second']:.0f} tokens/s on average.",
+        f"{train['wall_s'] / 60:.1f} min; {train['tokens_per_second']:.0f} tokens/s on average.",
         f"- Final train loss: {train['final_loss']:.3f} nats/token (last batch), {train['final_loss_ema']:.3f} (EMA 0.98).",
         "- The schedule follows wall time, so a rebuild on another machine takes a different number of steps.",
         "",

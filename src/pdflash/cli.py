@@ -12,6 +12,7 @@ import attrs
 
 from pdflash.bench.commands import register_subcommands as register_bench_subcommands
 from pdflash.bundled import default_drafter, default_target
+from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams
 
 
@@ -30,7 +31,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 def _engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """Resolve the default model and read the verify budgets and offload flags shared by generate and serve."""
-    from pdflash.engine.async_engine import VERIFY_BUDGETS
+    from pdflash.engine.config import VERIFY_BUDGETS
 
     if args.target is None:
         args.target = default_target()
@@ -107,7 +108,7 @@ async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo:
         offload_stats = engine.provider.stats() if engine.provider is not None else {}
     done = time.perf_counter()
     m = out.metrics
-    first_at = started + m.ttft_seconds
+    first_at = started + m.ttft_s
     n = len(token_ids)
     return {
         "token_ids": token_ids,
@@ -116,15 +117,15 @@ async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo:
         "stats": {
             "prompt_tokens": m.prompt_tokens,
             "generated_tokens": n,
-            "seconds": done - started,
-            "time_to_first_token_seconds": m.ttft_seconds,
-            "tokens_per_second": (n - 1) / (done - first_at) if n > 1 and done > first_at else 0.0,
+            "elapsed_s": done - started,
+            "ttft_s": m.ttft_s,
+            "tokens_per_second": tokens_per_second(n, first_at, done),
         }
         | (m.session_stats or {})
         | {
             "expert_bytes": m.expert_bytes,
             "fetch_bytes": m.fetch_bytes,
-            "admission_wait_seconds": m.admission_wait_seconds,
+            "admission_wait_s": m.admission_wait_s,
             "finish_reason": out.finish_reason,
         }
         | offload_stats,
@@ -202,7 +203,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "steps": result.steps,
-                    "seconds": result.seconds,
+                    "elapsed_s": result.seconds,
                     "sequences": len(data.token_ids),
                     "first_loss": result.losses[0],
                     "final_loss": sum(tail) / len(tail),

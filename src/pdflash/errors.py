@@ -7,3 +7,11 @@ class CheckpointError(ValueError):
 
 class ContextLimitError(ValueError):
     """A prompt (plus the tokens it asks for) does not fit in the model's context."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full: the request was not queued (retry later)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is not running (outside `async with`, or after it exited)."""

@@ -144,7 +144,9 @@ def test_bad_configs_name_the_value():
 
 def test_simulate_json_contract(capsys):
     argv = "simulate --profile qwen3-30b-a3b@h200-pcie5 --configs ar --concurrency 1"
-    code = cli.main([*argv.split(), "--expert-cache-bytes", str(24 * 10**9), "--json", "--max-tokens", "8", "--min-requests", "1"])
+    code = cli.main(
+        [*argv.split(), "--expert-cache-bytes", str(24 * 10**9), "--json", "--max-tokens", "8", "--min-requests", "1"]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     first = report["results"][0]

@@ -11,15 +11,12 @@ import anyio
 import pytest
 from transitions import MachineError
 
-from pdflash.engine.async_engine import (
-    AsyncEngine,
-    EngineClosedError,
-    EngineConfig,
-    EngineOverloadedError,
-    largest_block_union_bytes,
-)
+from pdflash.engine.async_engine import AsyncEngine
+from pdflash.engine.charging import largest_block_union_bytes
+from pdflash.engine.config import EngineConfig
 from pdflash.engine.outputs import TextStream
 from pdflash.engine.sequence import LIFECYCLE, Sequence, SequenceState
+from pdflash.errors import EngineClosedError, EngineOverloadedError
 from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator
@@ -29,7 +26,7 @@ from pdflash.target.tiny import write_tiny_drafter
 
 PROMPTS = [[5, 9, 14, 200, 31], list(range(40, 63)), [7], list(range(100, 111)), [3, 1, 4, 1, 5, 9, 2, 6]]
 GREEDY = SamplingParams(max_tokens=12)
-DRAINED = dict(live_sequences=0, waiting=0, pending_demands=0, kv_bytes=0, pinned_experts=0)
+DRAINED = dict(live_sequences=0, waiting=0, pending_demands=0, kv_bytes=0, claimed_experts=0)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +130,7 @@ async def test_32_concurrent_greedy_requests_equal_each_alone(make_engine, loade
         assert last.finished and last.finish_reason == "length"
         assert (m.prompt_tokens, m.generated_tokens) == (len(prompt), len(ids))
         assert sum(m.acceptance_lengths) == len(ids) - 1  # the prefill's token plus every round's
-        assert m.ttft_seconds > 0 and m.expert_bytes > 0
+        assert m.ttft_s > 0 and m.expert_bytes > 0
     assert stats.finished == 32 and stats.failed == stats.aborted == 0
     assert max(stats.verify_batch_sizes) > 1, "verifies of concurrent sequences are batched"
 
@@ -195,7 +192,7 @@ async def test_abort_mid_verify_releases_everything_and_spares_the_others(make_e
             tg.start_soon(consume, "kept", PROMPTS[0])
             await anyio.to_thread.run_sync(entered.wait, 20)
             during = engine.stats()
-            assert during.sequences_by_state == {"verify": 2} and during.pinned_experts > 0
+            assert during.sequences_by_state == {"verify": 2} and during.claimed_experts > 0
             tg.start_soon(engine.abort, "doomed")
             await anyio.sleep(0.05)
             assert engine.stats().sequences_by_state == {"aborted": 1, "verify": 1}  # KV kept until the lane is done
@@ -321,7 +318,9 @@ async def test_byte_budget_below_one_rounds_demand_completes_on_the_carried_defi
     make_engine, loaded, drafter, reference
 ):
     speculator = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes)
-    block_bytes = largest_block_union_bytes(speculator, speculator.block_size)
+    block_bytes = largest_block_union_bytes(
+        speculator.expert_nbytes, speculator.block_size, speculator.target.config.top_k
+    )
     one_expert = max(loaded.expert_nbytes.values())
     async with make_engine(
         verify_token_budget=64, verify_byte_budget=4 * one_expert, verify_token_cap=64, verify_byte_cap=2 * block_bytes

@@ -13,21 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdflash.engine.scheduler import (
-    AdmissionCancelled,
-    ChargeMode,
-    Deficit2D,
-    ExpertMasks,
-    VerifyAdmission,
-    VerifyDemand,
-    VerifyScheduler,
-    admit_verify_demands,
-    charge_bytes,
-)
+from pdflash.engine.admission import TokensBytes, VerifyAdmission, VerifyDemand, admit_verify_demands
+from pdflash.engine.charging import ChargeMode, ExpertMasks, charge_bytes
+from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.engine.ticket import AdmissionCancelled
 
-BUDGET = Deficit2D(16, 80)
-CAP = Deficit2D(32, 160)
-ZERO = Deficit2D(0, 0)
+BUDGET = TokensBytes(16, 80)
+CAP = TokensBytes(32, 160)
+ZERO = TokensBytes(0, 0)
 PROPS = settings(max_examples=200, deadline=None)
 
 
@@ -47,7 +40,7 @@ def test_in_flight_is_seated_and_the_rest_of_the_pool_admits_a_new_demand():
 def test_a_demand_over_the_byte_pool_waits_and_the_whole_budget_carries():
     # 90 bytes > 80: not admitted; pool (16,80) is under the cap -> carried whole
     out = admit([VerifyDemand("a", 8, 90)])
-    assert out == VerifyAdmission((), (), Deficit2D(16, 80))
+    assert out == VerifyAdmission((), (), TokensBytes(16, 80))
 
 
 def test_three_equal_demands_admit_the_first_two_that_fill_the_budget():
@@ -58,30 +51,30 @@ def test_three_equal_demands_admit_the_first_two_that_fill_the_budget():
 def test_a_demand_larger_than_one_budget_is_admitted_on_the_carried_deficit():
     big = [VerifyDemand("big", 24, 120)]
     tick1 = admit(big)  # (24,120) > (16,80)
-    assert tick1 == VerifyAdmission((), (), Deficit2D(16, 80))
+    assert tick1 == VerifyAdmission((), (), TokensBytes(16, 80))
     tick2 = admit(big, carried=tick1.carried)  # pool (32,160) -> leaves (8,40)
-    assert tick2 == VerifyAdmission((), ("big",), Deficit2D(8, 40))
+    assert tick2 == VerifyAdmission((), ("big",), TokensBytes(8, 40))
 
 
 def test_first_fit_skips_a_demand_over_the_token_pool_and_admits_the_next():
     # (20,10): 20 > 16 tokens, skipped; (4,10) fits -> pool (12,70)
     out = admit([VerifyDemand("wide", 20, 10), VerifyDemand("narrow", 4, 10)])
-    assert out == VerifyAdmission((), ("narrow",), Deficit2D(12, 70))
+    assert out == VerifyAdmission((), ("narrow",), TokensBytes(12, 70))
 
 
 def test_a_cap_below_a_single_demand_raises_naming_tokens():
     with pytest.raises(ValueError, match=r"cap\.tokens=16 .*'a' \(24\).*must be >= 24"):
-        admit([VerifyDemand("a", 24, 10)], cap=Deficit2D(16, 80))
+        admit([VerifyDemand("a", 24, 10)], cap=TokensBytes(16, 80))
 
 
 def test_a_cap_below_a_single_demand_raises_naming_expert_bytes():
     with pytest.raises(ValueError, match=r"cap\.expert_bytes=80 .*'a' \(90\).*must be >= 90"):
-        admit([VerifyDemand("a", 8, 90)], cap=Deficit2D(16, 80))
+        admit([VerifyDemand("a", 8, 90)], cap=TokensBytes(16, 80))
 
 
 def test_an_in_flight_demand_over_budget_is_still_seated_and_carry_clamps_at_zero():
     # pool = (16,80) - (40,200) = (-24,-120) -> clamp to (0,0)
-    out = admit([VerifyDemand("run", 40, 200, in_flight=True)], cap=Deficit2D(64, 320))
+    out = admit([VerifyDemand("run", 40, 200, in_flight=True)], cap=TokensBytes(64, 320))
     assert out == VerifyAdmission(("run",), (), ZERO)
 
 
@@ -94,7 +87,7 @@ GUARD_QUEUE = [
 
 def test_a_demand_skipped_barrier_after_times_blocks_the_demands_behind_it():
     tick1 = admit(GUARD_QUEUE)
-    assert tick1 == VerifyAdmission((), (), Deficit2D(16, 80))
+    assert tick1 == VerifyAdmission((), (), TokensBytes(16, 80))
     # pool (32,160): big -> (8,40), s1 -> (0,0), s2 does not fit
     tick2 = admit(GUARD_QUEUE, carried=tick1.carried)
     assert tick2 == VerifyAdmission((), ("big", "s1"), ZERO)
@@ -114,9 +107,9 @@ def test_without_enough_skips_the_large_demand_is_passed_over_first_fit():
         ([VerifyDemand("a", -1, 0)], BUDGET, ZERO, CAP, r"demand 'a' has tokens=-1"),
         ([VerifyDemand("a", 1, -5)], BUDGET, ZERO, CAP, r"demand 'a' has expert_bytes=-5"),
         ([VerifyDemand("a", 1, 1, skipped_ticks=-1)], BUDGET, ZERO, CAP, r"skipped_ticks=-1"),
-        ([], Deficit2D(-1, 0), ZERO, CAP, r"budget\.tokens=-1 is negative"),
-        ([], BUDGET, Deficit2D(0, -3), CAP, r"carried\.expert_bytes=-3 is negative"),
-        ([], BUDGET, ZERO, Deficit2D(-2, 0), r"cap\.tokens=-2 is negative"),
+        ([], TokensBytes(-1, 0), ZERO, CAP, r"budget\.tokens=-1 is negative"),
+        ([], BUDGET, TokensBytes(0, -3), CAP, r"carried\.expert_bytes=-3 is negative"),
+        ([], BUDGET, ZERO, TokensBytes(-2, 0), r"cap\.tokens=-2 is negative"),
     ],
 )
 def test_negative_values_anywhere_raise(demands, budget, carried, cap, match):
@@ -132,13 +125,13 @@ def test_negative_barrier_after_raises():
 def test_inputs_are_not_mutated():
     demands = [VerifyDemand("run", 8, 40, in_flight=True)] + list(GUARD_QUEUE)
     before = copy.deepcopy(demands)
-    carried = Deficit2D(3, 7)
+    carried = TokensBytes(3, 7)
     admit(demands, carried=carried)
-    assert demands == before and carried == Deficit2D(3, 7)
+    assert demands == before and carried == TokensBytes(3, 7)
 
 
 def test_positional_and_keyword_construction_agree():
-    assert Deficit2D(16, 80) == Deficit2D(tokens=16, expert_bytes=80)
+    assert TokensBytes(16, 80) == TokensBytes(tokens=16, expert_bytes=80)
     assert VerifyDemand("a", 8, 40) == VerifyDemand(seq_id="a", tokens=8, expert_bytes=40)
 
 
@@ -147,9 +140,9 @@ def test_positional_and_keyword_construction_agree():
 
 @st.composite
 def tick_inputs(draw):
-    cap = Deficit2D(draw(st.integers(0, 64)), draw(st.integers(0, 320)))
-    budget = Deficit2D(draw(st.integers(0, 64)), draw(st.integers(0, 320)))
-    carried = Deficit2D(draw(st.integers(0, 80)), draw(st.integers(0, 400)))
+    cap = TokensBytes(draw(st.integers(0, 64)), draw(st.integers(0, 320)))
+    budget = TokensBytes(draw(st.integers(0, 64)), draw(st.integers(0, 320)))
+    carried = TokensBytes(draw(st.integers(0, 80)), draw(st.integers(0, 400)))
     demand = st.builds(
         VerifyDemand,
         seq_id=st.none(),
@@ -209,7 +202,7 @@ def test_admission_is_first_fit_with_barriers_and_carries_the_clamped_rest(input
         elif not fits and d.skipped_ticks >= barrier_after:
             blocked = True
     assert out.admitted_ids == tuple(admitted)
-    assert out.carried == Deficit2D(min(max(pool[0], 0), cap.tokens), min(max(pool[1], 0), cap.expert_bytes))
+    assert out.carried == TokensBytes(min(max(pool[0], 0), cap.tokens), min(max(pool[1], 0), cap.expert_bytes))
 
 
 # --- many ticks: the starvation guard ------------------------------------------------------
@@ -250,8 +243,8 @@ def simulate(arrivals, budget, cap, barrier_after, n_ticks):
 
 @st.composite
 def arrival_streams(draw):
-    budget = Deficit2D(draw(st.integers(1, 32)), draw(st.integers(1, 160)))
-    cap = Deficit2D(draw(st.integers(1, 64)), draw(st.integers(1, 320)))
+    budget = TokensBytes(draw(st.integers(1, 32)), draw(st.integers(1, 160)))
+    cap = TokensBytes(draw(st.integers(1, 64)), draw(st.integers(1, 320)))
     n_ticks = draw(st.integers(1, 40))
     counter = iter(range(10**6))
     demand = st.builds(
@@ -375,9 +368,13 @@ def test_expert_masks_sum_the_byte_map_over_any_union(size):
 
 
 def test_charge_mode_defaults_to_marginal():
-    assert (
-        VerifyScheduler(token_budget=16, token_cap=32, byte_budget=80, byte_cap=160).charge_mode is ChargeMode.MARGINAL
-    )
+    sched = VerifyScheduler(token_budget=16, token_cap=32, byte_budget=80, byte_cap=160, byte_map={(0, 0): 80})
+    assert sched.charge_mode is ChargeMode.MARGINAL
+
+
+def test_a_marginal_scheduler_without_its_byte_map_is_refused_at_construction():
+    with pytest.raises(ValueError, match="charge mode 'marginal' needs the byte map; got byte_map=None"):
+        VerifyScheduler(token_budget=16, token_cap=32, byte_budget=80, byte_cap=160)
 
 
 # --- the scheduler -------------------------------------------------------------------------
@@ -434,7 +431,7 @@ async def test_cancelling_a_barrier_hands_its_saved_pool_to_the_demands_behind_i
     with anyio.move_on_after(0.01):
         await big.wait()
     assert small.admitted, "re-assignment must not wait for the next tick"
-    assert sched.pending_count() == 0 and sched.carried == Deficit2D(8, 40)
+    assert sched.pending_count() == 0 and sched.carried == TokensBytes(8, 40)
 
 
 @pytest.mark.asyncio
@@ -457,7 +454,7 @@ def test_cancelling_an_admitted_verify_before_it_runs_refunds_this_ticks_pool():
     second = sched.register("second", 8, full_bytes=40)
     assert sched.tick().admitted_ids == ("first",)
     assert sched.cancel("first")  # the engine's abort path
-    assert second.admitted and sched.carried == Deficit2D(8, 40)
+    assert second.admitted and sched.carried == TokensBytes(8, 40)
 
 
 def test_cancel_of_a_waiting_demand_wakes_its_waiter_with_admission_cancelled():
@@ -488,7 +485,7 @@ def test_a_demand_marked_in_flight_is_seated_until_finish():
     with pytest.raises(ValueError, match="finish"):
         sched.register("a", 8)
     # pool = (16,80) + carried (8,40) - seated (8,40)
-    assert sched.tick() == VerifyAdmission(("a",), (), Deficit2D(16, 80))
+    assert sched.tick() == VerifyAdmission(("a",), (), TokensBytes(16, 80))
     sched.finish("a")
     assert sched.tick().seated_ids == ()
     with pytest.raises(KeyError, match="'a'"):
@@ -497,29 +494,29 @@ def test_a_demand_marked_in_flight_is_seated_until_finish():
 
 def test_marginal_mode_charges_shared_experts_once_per_tick():
     byte_map = {(0, e): 40 for e in range(8)}
-    sched = two_d(charge_mode="marginal")
+    sched = two_d(charge_mode="marginal", byte_map=byte_map)
     for s in "abc":  # same union: only the first pays its 80 bytes
         sched.register(s, 4, union={(0, 0), (0, 1)}, full_bytes=80)
-    out = sched.tick(resident=set(), in_flight_union=set(), byte_map=byte_map)
-    assert out.admitted_ids == ("a", "b", "c") and out.carried == Deficit2D(4, 0)
+    out = sched.tick(resident=set(), in_flight_union=set())
+    assert out.admitted_ids == ("a", "b", "c") and out.carried == TokensBytes(4, 0)
 
 
 def test_marginal_charge_follows_a_re_registered_union():
     byte_map = {(0, e): 40 for e in range(8)} | {(1, e): 25 for e in range(8)}  # two expert sizes
-    sched = two_d(charge_mode="marginal")
+    sched = two_d(charge_mode="marginal", byte_map=byte_map)
     sched.register("a", 4, union={(0, e) for e in range(4)}, full_bytes=160)  # 160 > 80 + carried
-    assert sched.tick(resident=set(), in_flight_union=set(), byte_map=byte_map).admitted_ids == ()
+    assert sched.tick(resident=set(), in_flight_union=set()).admitted_ids == ()
     sched.register("a", 4, union={(0, 0), (1, 0), (1, 1)}, full_bytes=90)  # re-drafted: 40 of it resident
-    out = sched.tick(resident={(0, 0)}, in_flight_union=set(), byte_map=byte_map)
+    out = sched.tick(resident={(0, 0)}, in_flight_union=set())
     assert out.admitted_ids == ("a",) and sched.stats().admitted == 1
-    assert sched._admitted["a"].charge == Deficit2D(4, 50)
+    assert sched._admitted["a"].charge == TokensBytes(4, 50)
 
 
 @pytest.mark.asyncio
 async def test_token_only_mode_ignores_bytes():
     sched = VerifyScheduler(token_budget=16, token_cap=32)
     tickets = [sched.register(s, 8, union={(0, 1)}, full_bytes=10**12, fetch_bytes=10**12) for s in "ab"]
-    out = sched.tick(resident=set(), in_flight_union=set(), byte_map=None)
+    out = sched.tick(resident=set(), in_flight_union=set())
     assert out.admitted_ids == ("a", "b") and out.carried == ZERO
     for t in tickets:
         await t.wait()
@@ -569,8 +566,8 @@ def test_a_token_cap_below_one_block_is_rejected():
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("a", 40), r"tokens=40 exceeds token_cap=32"),
-        (("a", 8, (), 200, 0), r"charged 200 bytes, more than byte_cap=160"),
+        (("a", 40), r"token_cap=32 is smaller than the tokens of the verify of sequence 'a' \(40\)"),
+        (("a", 8, (), 200, 0), r"byte_cap=160 is smaller than the bytes .* may be charged \(200\)"),
         (("a", 8, (), 10, 20), r"fetch_bytes=20 exceeds full_bytes=10"),
         (("a", -1), r"tokens=-1 is invalid"),
     ],

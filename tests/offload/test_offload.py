@@ -311,7 +311,7 @@ def test_emulated_link_time_is_exposed_and_labelled(store, config):
     list(provider.waves(0, [0, 1, 2]))
     stats = provider.stats()
     assert stats["link"] == "emulated"
-    assert stats["exposed_fetch_seconds"] >= 0.9 * 3 * provider.link.transfer_seconds(store.nbytes((0, 0)))
+    assert stats["exposed_fetch_s"] >= 0.9 * 3 * provider.link.transfer_s(store.nbytes((0, 0)))
     provider.close()
     with provider_over(store, config, expert_cache_fraction=0.5) as plain:
         assert plain.stats()["link"] == "none"

@@ -7,7 +7,8 @@ from pdflash.errors import CheckpointError
 from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.projection import routed_union, union_bytes
-from pdflash.spec.speculator import RoundOrderError, Speculator, speculative_generate
+from pdflash.spec.session import RoundOrderError
+from pdflash.spec.speculator import Speculator, speculative_generate
 from pdflash.target.generate import generate_autoregressive
 from pdflash.target.loader import load_target
 from pdflash.target.tiny import write_tiny_drafter
@@ -65,10 +66,10 @@ def test_trained_like_drafter_accepts_more_than_one(loaded, drafter):
         expert_union=frozenset(),
         expert_bytes=0,
         fetch_bytes=0,
-        projection_seconds=0.0,
+        projection_s=0.0,
     )
     result = spec.verify_round(session)
-    assert result.accept_len == 3 and list(result.accepted_ids) == list(truth[position : position + 4])
+    assert result.accepted_drafts == 3 and list(result.accepted_ids) == list(truth[position : position + 4])
 
 
 def test_misordered_rounds_raise(loaded, drafter):
@@ -130,7 +131,7 @@ def test_projectors_record_coverage_and_waste(loaded, drafter, projector):
     )
     assert 0.0 < result.stats["projection_coverage"] <= 1.0
     assert result.stats["projection_waste_bytes"] >= 0
-    assert result.stats["verify_seconds"] > 0 and result.stats["projection_seconds"] > 0
+    assert result.stats["verify_s"] > 0 and result.stats["projection_s"] > 0
 
 
 def test_routed_union_and_bytes(loaded):

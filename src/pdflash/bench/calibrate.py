@@ -115,7 +115,7 @@ def _rounds(spec: Speculator, prompts, rounds: int, samples: Samples, prefix: st
             break
         key = (speculative, len(prompts), index)
         seconds, results = _timed(spec.draft_rounds, live)
-        projection = sum(r.projection_seconds for r in results)
+        projection = sum(r.projection_s for r in results)
         tokens = sum(r.tokens for r in results)
         if not prefix:
             samples.add("projection", key, tokens, len(live), projection)
@@ -143,7 +143,7 @@ def _step_overhead(target: Path, pool) -> list[tuple[int, float]]:
                         tg.start_soon(_drain, engine, pool[i % len(pool)])
                 wall = time.perf_counter() - started
                 stats = engine.stats()
-                return (wall - stats.model_seconds) / stats.steps
+                return (wall - stats.model_s) / stats.steps
 
         samples.append((c, anyio.run(body)))
     return samples

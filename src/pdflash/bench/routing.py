@@ -18,7 +18,8 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from pdflash.spec.projection import ExpertKey, routed_union
+from pdflash.spec.projection import routed_union
+from pdflash.target.experts import ExpertKey
 
 Union = frozenset[ExpertKey]
 
@@ -161,8 +162,8 @@ class RoutingRecorder:
                 self._last = out
             return out
 
-        def recording_begin(requests):
-            sessions = begin(requests)
+        def recording_begin(*args, **kwargs):
+            sessions = begin(*args, **kwargs)
             assert self._last is not None  # begin_sessions ran one committed forward
             for s, routed in zip(sessions, self._last.split(self._last.routed), strict=True):
                 self.records[s] = {
@@ -173,9 +174,9 @@ class RoutingRecorder:
                 }
             return sessions
 
-        def recording_verify(sessions):
+        def recording_verify(sessions, *args, **kwargs):
             projected = [s.pending.expert_union for s in sessions]
-            results = verify(sessions)
+            results = verify(sessions, *args, **kwargs)
             for s, union in zip(sessions, projected, strict=True):
                 trace = s.trace[-1]
                 self.records[s]["rounds"].append(

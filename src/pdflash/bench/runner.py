@@ -21,7 +21,8 @@ from pdflash.bench.configs import BenchConfig, two_d_budgets
 from pdflash.bench.metrics import PointResult, RequestRecord, Traffic, summarise
 from pdflash.bench.profiles import TimeScale
 from pdflash.bench.routing import RoutingRecorder
-from pdflash.engine.async_engine import AsyncEngine, largest_block_union_bytes
+from pdflash.engine.async_engine import AsyncEngine
+from pdflash.engine.charging import largest_block_union_bytes
 from pdflash.sampling import SamplingParams
 
 
@@ -104,7 +105,7 @@ def engine_recipe(plan: BenchPlan, scale: TimeScale | None) -> EngineRecipe:
     return EngineRecipe(
         scale=scale,
         block_size=spec.block_size,
-        largest_union_bytes=largest_block_union_bytes(spec, spec.block_size),
+        largest_union_bytes=largest_block_union_bytes(spec.expert_nbytes, spec.block_size, spec.target.config.top_k),
         expert_bytes_total=sum(spec.expert_nbytes.values()),
         max_num_seqs=max(plan.concurrency),
     )
@@ -138,7 +139,7 @@ async def _one_request(engine: AsyncEngine, prompt: list[int], params: SamplingP
         delta_times_s=tuple(times),
         delta_tokens=tuple(tokens),
         acceptance_lengths=tuple(m.acceptance_lengths),
-        admission_wait_s=m.admission_wait_seconds,
+        admission_wait_s=m.admission_wait_s,
         projection_coverage_bytes=coverage,
     )
 
@@ -150,8 +151,8 @@ def _traffic(engine: AsyncEngine) -> Traffic:
         expert_bytes_fetched=p.get("expert_bytes_fetched", 0),
         hit_bytes=p.get("hit_bytes", 0),
         miss_bytes=p.get("miss_bytes", 0),
-        exposed_fetch_s=p.get("exposed_fetch_seconds", 0.0),
-        model_s=stats.model_seconds,
+        exposed_fetch_s=p.get("exposed_fetch_s", 0.0),
+        model_s=stats.model_s,
     )
 
 

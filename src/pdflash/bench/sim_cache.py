@@ -19,7 +19,7 @@ import attrs
 
 from pdflash.offload.eviction import make_policy
 from pdflash.offload.prefetch import Priority
-from pdflash.spec.projection import ExpertKey
+from pdflash.target.experts import ExpertKey
 
 
 class SimulationError(ValueError):

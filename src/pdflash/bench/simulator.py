@@ -22,8 +22,9 @@ from pdflash.bench.costs import CostModel
 from pdflash.bench.metrics import PointResult, RequestRecord, Traffic, summarise
 from pdflash.bench.routing import Round, RoutingSource
 from pdflash.bench.sim_cache import SimCache
-from pdflash.engine.scheduler import Ticket, VerifyScheduler
-from pdflash.spec.projection import ExpertKey
+from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.engine.ticket import Ticket
+from pdflash.target.experts import ExpertKey
 
 
 @attrs.frozen(kw_only=True)
@@ -92,6 +93,7 @@ class Simulator:
                 token_cap=b["verify_token_cap"],
                 byte_budget=b["verify_byte_budget"],
                 byte_cap=b["verify_byte_cap"],
+                byte_map=setup.byte_map,
                 clock=lambda: self.now,
             )
         else:
@@ -179,7 +181,7 @@ class Simulator:
     def _admit(self) -> list[_Seq]:
         if self.scheduler.pending_count():
             resident = self.cache.resident() if self.cache is not None else frozenset()
-            self.scheduler.tick(resident, frozenset(), self.s.byte_map)
+            self.scheduler.tick(resident, frozenset())
         admitted = [q for q in self.live if q.ticket is not None and q.ticket.admitted]
         for q in admitted:
             self.scheduler.mark_in_flight(q.rid)

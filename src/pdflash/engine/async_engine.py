@@ -1,9 +1,10 @@
 """The async engine: takes requests, steps every live sequence through its rounds, streams outputs.
 
 Owns the step loop (schedule -> run -> postprocess), backpressure, failure isolation,
-the request API and engine stats. Must not touch: admission arithmetic (pdflash.engine.scheduler),
-round algorithms (pdflash.spec.speculator), model math, or the expert cache; an optional
-expert provider is only asked to prefetch, to say what is resident, and for its stats.
+the request API and engine stats. Must not touch: admission arithmetic (pdflash.engine.
+admission, .charging, .scheduler), round algorithms (pdflash.spec), model math, or the
+expert cache; an optional expert provider is only asked to prefetch, to say what is
+resident, and for its stats. Model assembly lives in pdflash.engine.builder.
 """
 
 from __future__ import annotations
@@ -17,118 +18,28 @@ import weakref
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
 
-from pdflash.engine.lanes import Lane, Lanes, off_thread
+from pdflash.engine.builder import OffloadProvider, build_engine_parts
+from pdflash.engine.config import EngineConfig, EngineStats
+from pdflash.engine.lanes import Lane
 from pdflash.engine.outputs import RequestOutput, TextStream
-from pdflash.engine.scheduler import ChargeMode, VerifyScheduler
-from pdflash.engine.sequence import RoundSnapshot, Sequence, SequenceState
+from pdflash.engine.requests import prompt_token_ids
+from pdflash.engine.requests import sampling_params as request_sampling_params
+from pdflash.engine.sequence import Sequence, SequenceState
+from pdflash.errors import EngineClosedError, EngineOverloadedError
 from pdflash.sampling import SamplingParams
-from pdflash.spec.projection import ExpertKey
 from pdflash.spec.speculator import Speculator
 from pdflash.stopping import StopRule
 from pdflash.target.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 S = SequenceState
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full: the request was not queued (retry later)."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is not running (outside `async with`, or after it exited)."""
-
-
-class OffloadProvider(Protocol):
-    """What the engine asks of an offloaded expert store (all optional but `resident`)."""
-
-    def prefetch(self, union: frozenset[ExpertKey]) -> Any: ...  # route-ahead priority by default
-    def resident(self) -> frozenset[ExpertKey]: ...
-    def stats(self) -> dict: ...
-
-
-def _positive(name: str, value: Any, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} is invalid: it must be an int >= 1")
-
-
-def _charge_mode(value: ChargeMode | str) -> ChargeMode:
-    try:
-        return ChargeMode(value)
-    except ValueError:
-        valid = ", ".join(repr(m.value) for m in ChargeMode)
-        raise ValueError(f"charge_mode={value!r} is not one of {valid}") from None
-
-
-VERIFY_BUDGETS = ("verify_token_budget", "verify_byte_budget", "verify_token_cap", "verify_byte_cap")
-
-
-@attrs.frozen(kw_only=True)
-class EngineConfig:
-    """Scheduling and backpressure settings, validated once."""
-
-    max_num_seqs: int = 64  # live (admitted) sequences at most
-    max_waiting: int = 256  # queued requests at most; one more raises EngineOverloadedError
-    prefill_token_budget: int = 4096  # prompt tokens prefilled per step (a step's first prompt always fits)
-    verify_token_budget: int | None = None  # tokens admitted to verify per tick
-    verify_byte_budget: int | None = None  # expert bytes admitted per tick (charged per charge_mode)
-    verify_token_cap: int | None = None  # carried tokens at most; >= one block
-    verify_byte_cap: int | None = None  # carried bytes at most; >= one block's largest union
-    charge_mode: ChargeMode = attrs.field(default=ChargeMode.MARGINAL, converter=_charge_mode)
-    barrier_after: int = 4  # skipped ticks before a demand becomes a barrier (starvation guard)
-
-    def __attrs_post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_waiting", "prefill_token_budget"):
-            _positive(name, getattr(self, name))
-        given = {name: getattr(self, name) for name in VERIFY_BUDGETS if getattr(self, name) is not None}
-        if given and len(given) < len(VERIFY_BUDGETS):
-            missing = [n for n in VERIFY_BUDGETS if n not in given]
-            raise ValueError(f"verify budgets go all four or none (none = token-only): got {given}, missing {missing}")
-        for name in VERIFY_BUDGETS:
-            _positive(name, getattr(self, name), optional=True)
-        if self.barrier_after < 0:
-            raise ValueError(f"barrier_after={self.barrier_after!r} is invalid: it must be an int >= 0")
-
-    @property
-    def two_dimensional(self) -> bool:
-        return self.verify_byte_budget is not None
-
-
-@attrs.frozen(kw_only=True)
-class EngineStats:
-    live_sequences: int  # admitted and not yet released (holding KV)
-    sequences_by_state: dict[str, int]  # sequences not yet released, by lifecycle state
-    waiting: int  # queued, not yet admitted
-    pending_demands: int  # verify demands the scheduler holds (waiting or in flight)
-    kv_bytes: int  # target + drafter KV cache bytes held by live sessions
-    pinned_experts: int  # experts of route-ahead prefetches whose verify has not run yet
-    requests: int  # accepted by generate()
-    finished: int
-    aborted: int
-    failed: int
-    generated_tokens: int  # tokens streamed, all requests
-    verify_rounds: int  # per-sequence verify rounds
-    steps: int  # engine steps run
-    mean_acceptance_length: float  # tokens emitted per verify round, bonus included
-    verify_batch_sizes: dict[int, int]  # sequences per batched verify -> how many such batches
-    admission_wait_p50_s: float | None  # verify admission wait (scheduler window)
-    admission_wait_p99_s: float | None
-    model_seconds: float  # time the model lanes spent in forwards
-    prefetch_requests: int  # route-ahead prefetches issued
-    prefetch_errors: int
-    provider: dict | None  # the expert provider's own stats, if it has any
-
-    def as_dict(self) -> dict:
-        return attrs.asdict(self)
 
 
 @attrs.define
@@ -153,20 +64,22 @@ class AsyncEngine:
         self,
         speculator: Speculator,
         tokenizer: TextTokenizer | None = None,
-        config: EngineConfig = EngineConfig(),
+        config: EngineConfig | None = None,
         *,
         provider: OffloadProvider | None = None,
     ) -> None:
         self.speculator = speculator
         self.tokenizer = tokenizer
-        self.config = config
+        self.config = config if config is not None else EngineConfig()
         self.provider = provider
-        self.scheduler = self._verify_scheduler()
+        self.scheduler = self.config.verify_scheduler(
+            speculator.block_size, speculator.expert_nbytes, speculator.target.config.top_k
+        )
         self._seqs: dict[str, Sequence] = {}  # every sequence not yet released, in arrival order
         self._waiting: deque[Sequence] = deque()
         self._totals = _Totals()
         self._ids = itertools.count()
-        self._lanes: Lanes | None = None
+        self._lane: Lane | None = None  # target and drafter forwards (one thread; its own CUDA stream)
         self._task_group: anyio.abc.TaskGroup | None = None
         self._wakeup: anyio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the step loop's, for aborts from the collector
@@ -191,82 +104,58 @@ class AsyncEngine:
 
         `offload`: keywords of `pdflash.offload.load_offloaded_target` (expert_cache_fraction,
         link_gbps, ...) to serve experts from the host store; its provider is closed on exit.
-        `config`: EngineConfig fields. Loading is synchronous (before the engine starts) and
-        runs on a short-lived thread, so the caller's thread never starts torch's OpenMP team
-        (it would slow the lanes' forwards: see pdflash.engine.lanes).
+        `config`: EngineConfig fields. See `pdflash.engine.builder.build_engine_parts`.
         """
-        from pdflash.bundled import default_drafter, default_target
-        from pdflash.spec.drafter import load_drafter
-        from pdflash.target.loader import load_target
-
         engine_config = EngineConfig(**config)
-        if projector is None:
-            # The router pass costs about half a verify on the CPU (docs/speculative.md); only
-            # byte-aware scheduling and route-ahead prefetch use its better coverage.
-            projector = "router" if offload is not None or engine_config.two_dimensional else "last-union"
-        if target is None:  # the bundled pair
-            target, drafter = default_target(), drafter or default_drafter(default_target())
-        target = Path(target)
-        if offload is not None:
-            from pdflash.offload import load_offloaded_target
-
-            loaded = off_thread(
-                lambda: load_offloaded_target(target, dtype=dtype, device=device, progress=progress, **offload)
-            )
-            provider = loaded.model.experts
-        else:
-            loaded, provider = (
-                off_thread(lambda: load_target(target, dtype=dtype, device=device, progress=progress)),
-                None,
-            )
+        parts = build_engine_parts(
+            target,
+            drafter,
+            block_size=block_size,
+            projector=projector,
+            dtype=dtype,
+            device=device,
+            offload=offload,
+            progress=progress,
+            byte_budgets=engine_config.two_dimensional,
+        )
         try:
-            draft_model = (
-                off_thread(lambda: load_drafter(drafter, loaded.model, progress=progress))
-                if drafter is not None
-                else None
-            )
-            speculator = Speculator(
-                loaded.model,
-                draft_model,
-                expert_nbytes=loaded.expert_nbytes,
-                projector=projector,
-                block_size=block_size,
-                resident=provider.resident if provider is not None else frozenset,
-            )
-            engine = cls(speculator, loaded.tokenizer, engine_config, provider=provider)
+            engine = cls(parts.speculator, parts.tokenizer, engine_config, provider=parts.provider)
         except BaseException:
-            if provider is not None:
-                provider.close()
+            if parts.provider is not None:
+                parts.provider.close()
             raise
-        if provider is not None:
-            engine._owned.append(provider)
+        if parts.provider is not None:
+            engine._owned.append(parts.provider)
         return engine
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncEngine:
-        if self._lanes is not None:
+        if self._lane is not None:
             raise EngineClosedError("an engine runs once: create a new one instead of re-entering it")
-        self._lanes = Lanes.create(self.speculator.target.device)
+        self._lane = Lane("model", self.speculator.target.device)
         self._loop = asyncio.get_running_loop()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         await self._task_group.start(self._run)
         return self
 
-    async def __aexit__(self, *exc_info) -> bool | None:
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        task_group, lane = self._task_group, self._lane
+        if task_group is None or lane is None:
+            return None
         for seq in [s for s in self._seqs.values() if s.live]:
             self._abort(seq)
-        self._task_group.cancel_scope.cancel()
+        task_group.cancel_scope.cancel()
         # the body's own error propagates as itself, not wrapped in the loop's ExceptionGroup
         body_error = exc_info[1] is not None and not isinstance(exc_info[1], anyio.get_cancelled_exc_class())
         try:
-            suppress = await self._task_group.__aexit__(*((None, None, None) if body_error else exc_info))
+            suppress = await task_group.__aexit__(*((None, None, None) if body_error else exc_info))
             return None if body_error else suppress
         finally:
             self._task_group = None
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._lanes.close)  # a running forward finishes first
+                await anyio.to_thread.run_sync(lane.close)  # a running forward finishes first
             for seq in list(self._seqs.values()):
                 seq.busy = False
                 self._release(seq)
@@ -291,8 +180,8 @@ class AsyncEngine:
             raise EngineClosedError(f"the engine's step loop stopped: {self.error!r}") from self.error
         if self._task_group is None:
             raise EngineClosedError("the engine is not running; use it inside `async with engine:`")
-        params = _sampling_params(sampling_params)
-        prompt_ids = self._prompt_ids(prompt)
+        params = request_sampling_params(sampling_params)
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.speculator.target.config.vocab_size)
         cfg = self.speculator.target.config
         StopRule.for_request(len(prompt_ids), params, cfg.max_positions)  # context limit
         text = TextStream(self.tokenizer, params.stop)
@@ -358,7 +247,7 @@ class AsyncEngine:
             waiting=len(self._waiting),
             pending_demands=sched.pending + sched.in_flight,
             kv_bytes=sum(s.kv_bytes for s in self._seqs.values()),
-            pinned_experts=len(frozenset().union(*(s.pinned for s in self._seqs.values()))),
+            claimed_experts=len(frozenset().union(*(s.claimed for s in self._seqs.values()))),
             requests=t.requests,
             finished=t.finished,
             aborted=t.aborted,
@@ -370,10 +259,10 @@ class AsyncEngine:
             verify_batch_sizes=dict(sorted(t.verify_batches.items())),
             admission_wait_p50_s=sched.wait_p50_s,
             admission_wait_p99_s=sched.wait_p99_s,
-            model_seconds=self._lanes.model_seconds if self._lanes else 0.0,
+            model_s=self._lane.busy_s if self._lane is not None else 0.0,
             prefetch_requests=t.prefetch_requests,
             prefetch_errors=t.prefetch_errors,
-            provider=self.provider.stats() if hasattr(self.provider, "stats") else None,
+            provider=self.provider.stats() if self.provider is not None else None,
         )
 
     # -- the step loop -----------------------------------------------------------------------
@@ -404,7 +293,8 @@ class AsyncEngine:
 
     def _schedule_prefills(self) -> list[Sequence]:
         """Waiting requests in arrival order while live seats and the prefill token budget allow."""
-        batch, tokens = [], 0
+        batch: list[Sequence] = []
+        tokens = 0
         room = self.config.max_num_seqs - (len(self._seqs) - len(self._waiting))
         while self._waiting and len(batch) < room:
             prompt_tokens = len(self._waiting[0].prompt_ids)
@@ -419,13 +309,7 @@ class AsyncEngine:
     async def _prefill(self, batch: list[Sequence]) -> None:
         if not batch:
             return
-        done = await self._on_lane(
-            self._lanes.verify,
-            self.speculator.begin_sessions,
-            batch,
-            lambda s: (s.prompt_ids, s.params),
-            snapshot=False,
-        )
+        done = await self._on_lane(self._begin_sessions, batch, lambda s: s, snapshot=False)
         for seq, session in done:
             seq.session = session
         self._settle(batch)
@@ -434,10 +318,13 @@ class AsyncEngine:
                 with self._isolated(seq):
                     self._advance(seq, session.emitted, session.finish_reason, seq.prefilled)
 
+    def _begin_sessions(self, batch: list[Sequence]) -> list[Any]:  # on the lane
+        return self.speculator.begin_sessions([(s.prompt_ids, s.params) for s in batch], [s.text for s in batch])
+
     async def _draft(self, batch: list[Sequence]) -> None:
         if not batch:
             return
-        done = await self._on_lane(self._lanes.draft, self.speculator.draft_rounds, batch, lambda s: s.session)
+        done = await self._on_lane(self.speculator.draft_rounds, batch, lambda s: s.session)
         self._settle(batch)
         now = time.perf_counter()
         for seq, draft in done:
@@ -446,7 +333,7 @@ class AsyncEngine:
                     seq.ticket = self.scheduler.register(
                         seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes
                     )
-                    seq.drafted_at = now
+                    seq.draft, seq.drafted_at = draft, now
                     seq.drafted()
 
     def _admit_verifies(self) -> list[Sequence]:
@@ -455,55 +342,62 @@ class AsyncEngine:
             resident = frozenset(self.provider.resident()) if self.provider is not None else frozenset()
             # in_flight_union is empty: each step awaits its verify, so no copy of an earlier
             # tick is still owed when this one charges
-            self.scheduler.tick(resident, frozenset(), self.speculator.expert_nbytes)
+            self.scheduler.tick(resident, frozenset())
         now = time.perf_counter()
-        admitted = [s for s in self._seqs.values() if s.state is S.VERIFY and s.ticket.admitted]
+        admitted = [
+            s for s in self._seqs.values() if s.state is S.VERIFY and s.ticket is not None and s.ticket.admitted
+        ]
         for seq in admitted:
             self.scheduler.mark_in_flight(seq.request_id)
-            seq.admission_wait_seconds += now - seq.drafted_at
+            seq.admission_wait_s += now - seq.drafted_at
         return admitted
 
     def _prefetch(self, admitted: list[Sequence]) -> None:
-        """Route-ahead: ask the provider for the admitted unions before the verify needs them."""
-        if not admitted or not hasattr(self.provider, "prefetch"):
+        """Route-ahead: ask the provider for the admitted unions before the verify needs them.
+
+        The provider only queues the fetches on its own prefetch thread and claims them; it
+        never blocks this loop. A failed prefetch only means on-demand fetches later.
+        """
+        if not admitted or self.provider is None:
             return
         for seq in admitted:
-            seq.pinned = seq.session.pending.expert_union
-        union = frozenset().union(*(s.pinned for s in admitted))
+            seq.claimed = seq.draft.expert_union if seq.draft is not None else frozenset()
         self._totals.prefetch_requests += 1
-        self._lanes.prefetch.submit(self.provider.prefetch, union).add_done_callback(self._prefetch_done)
-
-    def _prefetch_done(self, future) -> None:  # on the prefetch lane's thread
-        if future.exception() is not None:
-            self._totals.prefetch_errors += 1  # a failed prefetch only means on-demand fetches
-            log.warning("route-ahead prefetch failed: %r", future.exception())
+        try:
+            self.provider.prefetch(frozenset().union(*(s.claimed for s in admitted)))
+        except Exception as error:
+            self._totals.prefetch_errors += 1
+            log.warning("route-ahead prefetch failed: %r", error)
 
     async def _verify(self, batch: list[Sequence]) -> None:
         if not batch:
             return
         self._totals.verify_batches[len(batch)] += 1
-        done = await self._on_lane(self._lanes.verify, self.speculator.verify_rounds, batch, lambda s: s.session)
+        done = await self._on_lane(self.speculator.verify_rounds, batch, lambda s: s.session)
         self._settle(batch)
         for seq, result in done:
             if seq.live:
                 with self._isolated(seq):
                     self.scheduler.finish(seq.request_id)
-                    seq.ticket, seq.pinned = None, frozenset()
-                    trace = seq.session.trace[-1]
+                    seq.ticket, seq.draft, seq.claimed = None, None, frozenset()
+                    trace = result.trace
                     seq.acceptance_lengths.append(trace.acceptance_length)
                     seq.expert_bytes += trace.expert_bytes
                     seq.fetch_bytes += trace.fetch_bytes
                     self._totals.verify_rounds += 1
                     self._totals.verify_tokens += trace.acceptance_length
-                    self._advance(seq, list(result.accepted_ids), result.finish_reason, seq.verified)
+                    self._advance(seq, result.accepted_ids, result.finish_reason, seq.verified)
 
     def _advance(
-        self, seq: Sequence, token_ids: list[int], finish_reason: str | None, next_state: Callable[[], bool]
+        self,
+        seq: Sequence,
+        token_ids: tuple[int, ...] | list[int],
+        finish_reason: str | None,
+        next_state: Callable[[], bool],
     ) -> None:
         """Stream a round's tokens, then finish the sequence or move it on."""
-        streamed = seq.streamed
-        finish_reason = seq.stream(token_ids, finish_reason)
-        self._totals.tokens += seq.streamed - streamed
+        seq.stream(token_ids, finish_reason)
+        self._totals.tokens += len(token_ids)
         if finish_reason is None:
             next_state()
         else:
@@ -511,20 +405,23 @@ class AsyncEngine:
             self._totals.finished += 1
             self._retire(seq)
 
-    # -- lanes and failure isolation ---------------------------------------------------------
+    # -- the lane and failure isolation ------------------------------------------------------
 
     async def _on_lane(
         self,
-        lane: Lane,
         fn: Callable[[list], list],
         batch: list[Sequence],
         arg: Callable[[Sequence], Any],
         *,
         snapshot: bool = True,
     ) -> list[tuple[Sequence, Any]]:
-        """Run one batched round on `lane`; if it raises, retry each sequence alone and fail only
-        those that still raise (a batch's error does not say which sequence caused it)."""
-        snapshots = [RoundSnapshot.capture(s.session) for s in batch] if snapshot and len(batch) > 1 else None
+        """Run one batched round on the model lane; if it raises, retry each sequence alone and
+        fail only those that still raise (a batch's error does not say which sequence caused it)."""
+        lane = self._lane
+        if lane is None:
+            raise EngineClosedError("the engine is not running; use it inside `async with engine:`")
+        sessions = [s.session for s in batch] if snapshot and len(batch) > 1 else []
+        snapshots = [session.snapshot() for session in sessions if session is not None]
         for seq in batch:
             seq.busy = True
         try:
@@ -541,8 +438,8 @@ class AsyncEngine:
             )
         done = []
         for i, seq in enumerate(batch):
-            if snapshots is not None:
-                snapshots[i].restore(seq.session)
+            if snapshots and seq.session is not None:
+                seq.session.restore(snapshots[i])
             if not seq.live:
                 continue
             try:
@@ -596,7 +493,7 @@ class AsyncEngine:
             return
         if seq.session is not None:
             self.speculator.release(seq.session)
-        seq.ticket, seq.pinned = None, frozenset()
+        seq.ticket, seq.draft, seq.claimed = None, None, frozenset()
         del self._seqs[seq.request_id]
         seq.released.set()
 
@@ -611,75 +508,3 @@ class AsyncEngine:
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "this model has no tokenizer.json, so a text prompt cannot be encoded; pass a list of token ids"
-                )
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        vocab = self.speculator.target.config.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]!r} are not ints in the vocabulary 0..{vocab - 1}")
-        if not ids:
-            raise ValueError("the prompt must contain at least one token, got an empty prompt")
-        return ids
-
-    def _verify_scheduler(self) -> VerifyScheduler:
-        """The verify scheduler, after checking the budgets can admit a full block (liveness)."""
-        cfg, block = self.config, self.speculator.block_size
-        if not cfg.two_dimensional:  # token-only: every drafted block of every live sequence fits a tick
-            budget = cfg.max_num_seqs * block
-            return VerifyScheduler(token_budget=budget, token_cap=budget, barrier_after=cfg.barrier_after)
-        if cfg.verify_token_cap < block:
-            raise ValueError(
-                f"verify_token_cap={cfg.verify_token_cap} is smaller than one verify block of {block} "
-                f"tokens, which could then never be admitted; it must be >= {block}"
-            )
-        largest = largest_block_union_bytes(self.speculator, block)
-        if cfg.verify_byte_cap < largest:
-            raise ValueError(
-                f"verify_byte_cap={cfg.verify_byte_cap} is smaller than the largest expert union one verify "
-                f"block of {block} tokens can route ({largest} bytes), which could then never be admitted; "
-                f"it must be >= {largest}"
-            )
-        return VerifyScheduler(
-            token_budget=cfg.verify_token_budget,
-            token_cap=cfg.verify_token_cap,
-            byte_budget=cfg.verify_byte_budget,
-            byte_cap=cfg.verify_byte_cap,
-            barrier_after=cfg.barrier_after,
-            charge_mode=cfg.charge_mode,
-        )
-
-
-def largest_block_union_bytes(speculator: Speculator, block: int) -> int:
-    """Bytes of the largest union `block` tokens can route: per MoE layer, its
-    min(block x top_k, experts) largest experts (exact byte-map sums, no averages)."""
-    cfg = speculator.target.config
-    per_layer: dict[int, list[int]] = {}
-    for (layer, _), nbytes in speculator.expert_nbytes.items():
-        per_layer.setdefault(layer, []).append(nbytes)
-    routed = min(block * cfg.top_k, cfg.num_experts)
-    return sum(sum(sorted(sizes, reverse=True)[:routed]) for sizes in per_layer.values())
-
-
-def _sampling_params(value: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
-    if value is None:
-        return SamplingParams()
-    if isinstance(value, SamplingParams):
-        return value
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(attrs.fields_dict(SamplingParams)))
-        if unknown:
-            raise ValueError(
-                f"sampling_params has unknown fields {unknown}; valid: {sorted(attrs.fields_dict(SamplingParams))}"
-            )
-        return SamplingParams(**value)
-    raise TypeError(
-        f"sampling_params must be a SamplingParams, a mapping of its fields or None, got {type(value).__name__}"
-    )

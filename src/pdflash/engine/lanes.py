@@ -52,7 +52,7 @@ class Lane:
             initargs=(torch.get_num_threads(),),
         )
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.busy_seconds = 0.0  # wall time spent inside calls
+        self.busy_s = 0.0  # wall time spent inside calls
         self.calls = 0
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -74,7 +74,7 @@ class Lane:
                 self._stream.synchronize()  # results are ready when the loop sees them
             return result
         finally:
-            self.busy_seconds += time.perf_counter() - started
+            self.busy_s += time.perf_counter() - started
             self.calls += 1
 
     def close(self) -> None:
@@ -96,10 +96,10 @@ class Lanes:
         return cls(verify=verify, draft=verify, prefetch=Lane("prefetch", device))
 
     @property
-    def model_seconds(self) -> float:
+    def model_s(self) -> float:
         """Time spent in model forwards (prefill, draft, projection, verify)."""
-        extra = self.draft.busy_seconds if self.draft is not self.verify else 0.0
-        return self.verify.busy_seconds + extra
+        extra = self.draft.busy_s if self.draft is not self.verify else 0.0
+        return self.verify.busy_s + extra
 
     def close(self) -> None:
         for lane in {id(lane): lane for lane in (self.verify, self.draft, self.prefetch)}.values():

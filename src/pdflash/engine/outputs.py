@@ -23,10 +23,10 @@ class RequestMetrics:
     prompt_tokens: int  # tokens in the prompt
     generated_tokens: int  # tokens streamed so far (prompt excluded)
     acceptance_lengths: tuple[int, ...]  # tokens emitted per verify round, bonus included
-    ttft_seconds: float | None  # arrival -> first token, seconds; None before it
+    ttft_s: float | None  # arrival -> first token, seconds; None before it
     expert_bytes: int  # Σ projected expert-union bytes of its verify rounds
     fetch_bytes: int  # the part of expert_bytes not resident when projected
-    admission_wait_seconds: float  # Σ time its drafted blocks waited for verify admission
+    admission_wait_s: float  # Σ time its drafted blocks waited for verify admission
     session_stats: dict | None = None  # the session's round stats (SpecSession.stats()); final delta only
 
 
@@ -47,12 +47,13 @@ class RequestOutput:
 
 
 class TextStream:
-    """Incremental detokenization of one request with its stop strings.
+    """Incremental detokenization of one request with its stop strings (a `StopWatcher`).
 
     Text is released only up to a complete character (a token that ends inside a UTF-8
     sequence decodes to U+FFFD and waits for the next one) and, while unfinished, never
     into a suffix that could still grow into a stop string. A completed stop string cuts
-    the text just before it.
+    the text just before it. The request's `StopRule` feeds it every emitted token (on the
+    lane that runs the round); the engine takes the text after the round.
     """
 
     def __init__(self, tokenizer: TextTokenizer | None, stop: tuple[str, ...]) -> None:
@@ -82,6 +83,14 @@ class TextStream:
             return False  # inside a multi-byte character: wait for more tokens
         self._prefix, self._read = self._read, len(self._ids)
         return self._append(after[len(before) :])
+
+    def mark(self) -> tuple:
+        return (len(self._ids), self._prefix, self._read, self._sent, self.text, self.stopped)
+
+    def rewind(self, mark: object) -> None:
+        assert isinstance(mark, tuple)
+        count, self._prefix, self._read, self._sent, self.text, self.stopped = mark
+        del self._ids[count:]
 
     def take(self, final: bool) -> str:
         """Text not yet released; `final` flushes everything, incomplete characters included."""
@@ -142,4 +151,5 @@ class OutputMailbox:
         if self._pending is not None:
             output, self._pending = self._pending, None
             return output
+        assert self._error is not None  # the loop above ends on output or an error
         raise self._error

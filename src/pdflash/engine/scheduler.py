@@ -1,230 +1,37 @@
-"""Verify admission: the pure 2-D deficit function and the async ticket scheduler around it.
+"""The ticket scheduler: arrival order, the carried deficit and admission tickets around the pure admission.
 
-Owns: which pending verifies run in a tick (tokens x expert bytes), the carried deficit,
-the bytes each demand is charged, and the tickets sequences await. Must not touch:
-sequence state machines, model work, the expert cache (the engine hands each tick the
-resident and in-flight expert sets and the byte map; this module only reads them).
+Owns which pending verifies a tick offers `admit_verify_demands`, in what order, with what
+byte charges (pdflash.engine.charging over the byte map it was built with), the carry
+between ticks, and the tickets sequences await. Must not touch sequence state machines,
+model work or the expert cache: the engine hands each tick the resident and in-flight
+expert sets; this module only reads them.
 
-Engine protocol, per sequence:  register -> await ticket.wait() -> (the engine loop calls
+Engine protocol, per sequence:  register -> await ticket.wait() -> (the engine calls
 tick(), which admits) -> mark_in_flight (optional) -> finish.  An aborted sequence calls
 cancel(seq_id), which is also what a cancelled waiter does by itself.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
-import operator
 import time
-from collections import defaultdict, deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence, Set
-from typing import Protocol
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
 
-import anyio
-import anyio.lowlevel
 import attrs
-import numpy as np
 
-Expert = tuple[int, int]  # (layer index, expert index)
-
-
-# --- value types -------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Deficit2D:
-    """A (tokens, expert bytes) pair: a budget, a carried deficit, a cap or a pool."""
-
-    tokens: int  # tokens
-    expert_bytes: int  # bytes
-
-
-@attrs.frozen
-class VerifyDemand:
-    """What one pending verify asks of a tick."""
-
-    seq_id: Hashable  # the sequence whose verify this is
-    tokens: int  # tokens in the block to verify
-    expert_bytes: int  # bytes charged for its projected routed union (see charge_bytes)
-    in_flight: bool = False  # verify running / prefetch under way: seated unconditionally
-    skipped_ticks: int = 0  # ticks that passed this demand over (starvation guard input)
-
-
-@attrs.frozen
-class VerifyAdmission:
-    """What one tick decided."""
-
-    seated_ids: tuple  # seq_ids of in-flight demands, seated first, in input order
-    admitted_ids: tuple  # seq_ids of newly admitted demands, in input order
-    carried: Deficit2D  # unused quantum carried to the next tick, in [0, cap] (tokens, bytes)
-
-
-# --- the pure function -------------------------------------------------------------------
-
-
-def admit_verify_demands(
-    demands: Iterable[VerifyDemand],
-    budget: Deficit2D,
-    carried: Deficit2D,
-    cap: Deficit2D,
-    *,
-    barrier_after: int = 4,
-) -> VerifyAdmission:
-    """One tick of 2-D deficit admission (ARCHITECTURE "2-D deficit admission").
-
-    In-flight demands are seated first; the rest are admitted first-fit, in order, while
-    they fit in BOTH dimensions of pool = budget + carried - seated. A demand already
-    skipped `barrier_after` times that does not fit is a barrier: nothing after it is
-    admitted, so the pool carries over for it. Carry out = clamp(pool, 0, cap).
-    Pure: inputs are not mutated, nothing else is touched.
-    """
-    demands = tuple(demands)
-    _validate_admission_inputs(demands, budget, carried, cap, barrier_after)
-
-    seated = [d for d in demands if d.in_flight]
-    pool_tokens = budget.tokens + carried.tokens - sum(d.tokens for d in seated)
-    pool_bytes = budget.expert_bytes + carried.expert_bytes - sum(d.expert_bytes for d in seated)
-
-    admitted = []
-    for d in demands:
-        if d.in_flight:
-            continue
-        if d.tokens <= pool_tokens and d.expert_bytes <= pool_bytes:
-            admitted.append(d.seq_id)
-            pool_tokens -= d.tokens
-            pool_bytes -= d.expert_bytes
-        elif d.skipped_ticks >= barrier_after:
-            break  # starvation guard: the pool is saved for this demand
-
-    return VerifyAdmission(
-        seated_ids=tuple(d.seq_id for d in seated),
-        admitted_ids=tuple(admitted),
-        carried=Deficit2D(
-            tokens=min(max(pool_tokens, 0), cap.tokens),
-            expert_bytes=min(max(pool_bytes, 0), cap.expert_bytes),
-        ),
-    )
-
-
-def _validate_admission_inputs(demands, budget, carried, cap, barrier_after) -> None:
-    if barrier_after < 0:
-        raise ValueError(f"barrier_after={barrier_after} is negative; it must be >= 0")
-    for name, pair in (("budget", budget), ("carried", carried), ("cap", cap)):
-        for dim in ("tokens", "expert_bytes"):
-            if getattr(pair, dim) < 0:
-                raise ValueError(f"{name}.{dim}={getattr(pair, dim)} is negative; it must be >= 0")
-    for d in demands:
-        for field in ("tokens", "expert_bytes", "skipped_ticks"):
-            if getattr(d, field) < 0:
-                raise ValueError(
-                    f"demand {d.seq_id!r} has {field}={getattr(d, field)}, which is negative; it must be >= 0"
-                )
-    for dim in ("tokens", "expert_bytes"):
-        largest = max(demands, key=lambda d: getattr(d, dim), default=None)
-        if largest is not None and getattr(largest, dim) > getattr(cap, dim):
-            raise ValueError(
-                f"cap.{dim}={getattr(cap, dim)} is smaller than the {dim} of demand "
-                f"{largest.seq_id!r} ({getattr(largest, dim)}), which could then never be "
-                f"admitted; cap.{dim} must be >= {getattr(largest, dim)}"
-            )
-
-
-# --- which bytes a demand is charged ------------------------------------------------------
-
-
-class ChargeMode(enum.Enum):
-    """How many bytes a pending verify is charged against the byte budget."""
-
-    FULL = "full"  # every byte of its projected union, shared or not
-    FETCH = "fetch"  # the part not resident when its route was projected (as registered)
-    MARGINAL = "marginal"  # the bytes its union adds to what is resident / coming / charged
-
-
-class Chargeable(Protocol):
-    union: frozenset[Expert]  # projected routed union, (layer, expert) pairs
-    full_bytes: int  # bytes: sum of the byte map over `union`
-    fetch_bytes: int  # bytes of `union` not resident at projection time
-
-
-class ExpertMasks:
-    """Sets of experts as int bitmasks over one byte map: the marginal charge in big-int operations.
-
-    As sets, charging one pending union is a set difference over its experts (about 75 ms per
-    tick for 256 Qwen3-30B-A3B-sized unions of ~2,500 experts on one CPU core). As masks it is
-    an and-not and one popcount per distinct expert size; a union becomes a mask once, when its
-    verify is first charged (bench_admission.py times both parts).
-    """
-
-    SMALL = 64  # experts up to which or-ing single bits beats numpy's fixed cost
-
-    def __init__(self, byte_map: Mapping[Expert, int]) -> None:
-        self.byte_map = byte_map
-        self._bit = {expert: i for i, expert in enumerate(byte_map)}
-        self._single = {expert: 1 << i for expert, i in self._bit.items()}
-        by_size: dict[int, list[Expert]] = defaultdict(list)
-        for expert, size in byte_map.items():
-            by_size[size].append(expert)
-        self._sizes = tuple((size, self.mask(experts)) for size, experts in by_size.items())
-
-    def mask(self, experts: Collection[Expert]) -> int:
-        """The mask of `experts`; KeyError for an expert the byte map lacks."""
-        if len(experts) <= self.SMALL:  # 3 µs for 36 experts, against 4 µs through numpy
-            return functools.reduce(operator.or_, map(self._single.__getitem__, experts), 0)
-        flags = np.zeros(len(self._bit), dtype=bool)
-        flags[np.fromiter(map(self._bit.__getitem__, experts), dtype=np.int64)] = True
-        return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
-
-    def nbytes(self, mask: int) -> int:
-        """Σ of the byte map over the experts in `mask`."""
-        return sum(size * (mask & members).bit_count() for size, members in self._sizes)
-
-
-def marginal_charges(masks: ExpertMasks, unions: Sequence[int], covered: int) -> list[int]:
-    """What each union (a mask, in admission order) adds to `covered` and the unions before it."""
-    charges = []
-    for union in unions:
-        new = union & ~covered
-        charges.append(masks.nbytes(new))
-        covered |= new
-    return charges
-
-
-def charge_bytes(
-    pending: Sequence[Chargeable],
-    mode: ChargeMode | str,
-    byte_map: Mapping[Expert, int] | None,
-    resident: Set[Expert],
-    in_flight: Set[Expert],
-) -> list[int]:
-    """Bytes to charge each pending verify, in the order given (the admission order).
-
-    MARGINAL charges item i the byte map summed over
-        union_i - resident - in_flight - (union_0 | ... | union_{i-1}).
-    ARCHITECTURE asks for the unions *admitted* this tick, but charges are needed before
-    admission, so this charges against every earlier candidate, admitted or not. The error
-    is one-sided: when an earlier candidate is skipped, a later one that shares its experts
-    is undercharged by exactly those shared bytes, so a tick may move more bytes than its
-    budget by at most what admitted demands share with skipped ones ahead of them; that
-    excess is never charged to a later tick either. The scheduler keeps each union's mask
-    across ticks; this function builds them afresh.
-    """
-    mode = ChargeMode(mode)
-    if mode is ChargeMode.FULL:
-        return [p.full_bytes for p in pending]
-    if mode is ChargeMode.FETCH:
-        return [p.fetch_bytes for p in pending]
-    if byte_map is None:
-        raise ValueError("charge mode 'marginal' needs the byte map; got byte_map=None")
-    masks = ExpertMasks(byte_map)
-    covered = masks.mask(resident) | masks.mask(in_flight)
-    return marginal_charges(masks, [masks.mask(p.union) for p in pending], covered)
-
-
-# --- the async scheduler ------------------------------------------------------------------
-
-
-class AdmissionCancelled(Exception):
-    """Raised by Ticket.wait() when the demand was cancelled before it was admitted."""
+from pdflash.checks import require_int
+from pdflash.engine.admission import (
+    ZERO,
+    TokensBytes,
+    VerifyAdmission,
+    VerifyDemand,
+    admit_verify_demands,
+    require_fits_cap,
+)
+from pdflash.engine.charging import ChargeMode, ExpertMasks, charge_bytes
+from pdflash.engine.ticket import Ticket
+from pdflash.measure import percentile
+from pdflash.target.experts import ExpertKey
 
 
 @attrs.frozen
@@ -233,45 +40,9 @@ class VerifyRequest:
 
     seq_id: Hashable  # the sequence
     tokens: int  # tokens in the block to verify
-    union: frozenset[Expert]  # projected routed union, (layer, expert) pairs
+    union: frozenset[ExpertKey]  # projected routed union, (layer, expert) pairs
     full_bytes: int  # bytes: sum of the byte map over `union`
     fetch_bytes: int  # bytes of `union` not resident at projection time
-
-
-@attrs.define(eq=False)
-class Ticket:
-    """One registration's admission ticket; a sequence's coroutine awaits `wait()`."""
-
-    seq_id: Hashable
-    _release: Callable[[Ticket], None]  # the scheduler's cleanup for a cancelled waiter
-    _event: anyio.Event = attrs.field(factory=anyio.Event, init=False)
-    _cancelled: bool = attrs.field(default=False, init=False)
-
-    @property
-    def admitted(self) -> bool:
-        return self._event.is_set() and not self._cancelled
-
-    async def wait(self) -> None:
-        """Return once a tick admits the demand; raise AdmissionCancelled if it was cancelled.
-
-        A waiter cancelled while waiting (even just after admission) hands its demand
-        back, so neither its place nor an already granted share of the budget leaks.
-        """
-        try:
-            await self._event.wait()
-            await anyio.lowlevel.checkpoint_if_cancelled()  # cancelled while being woken
-        except BaseException:
-            self._release(self)
-            raise
-        if self._cancelled:
-            raise AdmissionCancelled(f"the verify demand of sequence {self.seq_id!r} was cancelled")
-
-    def _admit(self) -> None:
-        self._event.set()
-
-    def _cancel(self) -> None:
-        self._cancelled = True
-        self._event.set()
 
 
 @attrs.define(eq=False)
@@ -281,14 +52,14 @@ class _Entry:
     registered_at: float  # seconds (scheduler clock), first registration
     skipped_ticks: int = 0  # ticks that passed it over
     admitted_tick: int = -1  # tick number that admitted it
-    charge: Deficit2D = Deficit2D(0, 0)  # (tokens, bytes) charged when admitted
-    _mask: tuple[VerifyRequest, ExpertMasks, int] | None = None  # its union's mask, and for what
+    charge: TokensBytes = ZERO  # (tokens, bytes) charged when admitted
+    _mask: tuple[VerifyRequest, int] | None = None  # its union's mask, and the registration it is of
 
     def union_mask(self, masks: ExpertMasks) -> int:
-        """Its request's union as a mask of `masks`, built once per registration."""
-        if self._mask is None or self._mask[0] is not self.request or self._mask[1] is not masks:
-            self._mask = (self.request, masks, masks.mask(self.request.union))
-        return self._mask[2]
+        """Its request's union as a mask of the scheduler's `masks`, built once per registration."""
+        if self._mask is None or self._mask[0] is not self.request:
+            self._mask = (self.request, masks.mask(self.request.union))
+        return self._mask[1]
 
 
 @attrs.frozen
@@ -323,6 +94,7 @@ class VerifyScheduler:
         byte_cap: int | None = None,
         barrier_after: int = 4,
         charge_mode: ChargeMode | str = ChargeMode.MARGINAL,
+        byte_map: Mapping[ExpertKey, int] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if (byte_budget is None) != (byte_cap is None):
@@ -331,43 +103,37 @@ class VerifyScheduler:
                 f"neither): got byte_budget={byte_budget!r}, byte_cap={byte_cap!r}"
             )
         self.token_only = byte_budget is None
-        _require_int("token_budget", token_budget, 1, "a tick without token budget admits nothing")
-        _require_int("token_cap", token_cap, 0, "it bounds the carried tokens")
+        require_int("token_budget", token_budget, 1, why="a tick without token budget admits nothing")
+        require_int("token_cap", token_cap, 0, why="it bounds the carried tokens")
         if not self.token_only:
-            _require_int("byte_budget", byte_budget, 1, "a tick without byte budget admits nothing")
-            _require_int("byte_cap", byte_cap, 0, "it bounds the carried bytes")
-        _require_int("barrier_after", barrier_after, 0, "it counts skipped ticks")
-        try:
-            self.charge_mode = ChargeMode(charge_mode)
-        except ValueError:
-            valid = ", ".join(repr(m.value) for m in ChargeMode)
-            raise ValueError(f"charge_mode={charge_mode!r} is not one of {valid}") from None
-        self.budget = Deficit2D(token_budget, byte_budget or 0)  # per tick
-        self.cap = Deficit2D(token_cap, byte_cap or 0)
+            require_int("byte_budget", byte_budget, 1, why="a tick without byte budget admits nothing")
+            require_int("byte_cap", byte_cap, 0, why="it bounds the carried bytes")
+        require_int("barrier_after", barrier_after, 0, why="it counts skipped ticks")
+        self.charge_mode = ChargeMode.parse(charge_mode)
+        if self.charge_mode is ChargeMode.MARGINAL and not self.token_only and byte_map is None:
+            raise ValueError("charge mode 'marginal' needs the byte map; got byte_map=None")
+        self.budget = TokensBytes(token_budget, byte_budget or 0)  # per tick
+        self.cap = TokensBytes(token_cap, byte_cap or 0)
         self.barrier_after = barrier_after
         self._clock = clock
 
         self._queue: dict[Hashable, _Entry] = {}  # waiting, in arrival order
         self._admitted: dict[Hashable, _Entry] = {}  # admitted, not (yet) seated
         self._in_flight: dict[Hashable, _Entry] = {}  # seated every tick until finish
-        self._carried = Deficit2D(0, 0)
+        self._carried = ZERO
         self._pool = (0, 0)  # the last tick's unclamped leftover: refunds and re-assignment
         self._ticks = 0
         self._admitted_total = 0
         self._waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
         self._last_tick_s: float | None = None
-        self._masks: ExpertMasks | None = None  # over the byte map the last tick was given
+        self._masks = ExpertMasks(byte_map) if byte_map is not None and not self.token_only else None
 
     # -- configuration checks --
 
     def validate_block(self, tokens: int) -> None:
         """Reject a configuration that could never admit a verify block of `tokens`."""
-        _require_int("tokens", tokens, 1, "a verify block holds at least one token")
-        if tokens > self.cap.tokens:
-            raise ValueError(
-                f"token_cap={self.cap.tokens} is smaller than one verify block of {tokens} "
-                f"tokens, which could then never be admitted; token_cap must be >= {tokens}"
-            )
+        require_int("tokens", tokens, 1, why="a verify block holds at least one token")
+        require_fits_cap("token_cap", self.cap.tokens, tokens, f"one verify block of {tokens} tokens")
 
     # -- the sequence side --
 
@@ -375,7 +141,7 @@ class VerifyScheduler:
         self,
         seq_id: Hashable,
         tokens: int,
-        union: Iterable[Expert] = frozenset(),
+        union: Iterable[ExpertKey] = frozenset(),
         full_bytes: int = 0,
         fetch_bytes: int = 0,
     ) -> Ticket:
@@ -438,9 +204,8 @@ class VerifyScheduler:
 
     def tick(
         self,
-        resident: Set[Expert] = frozenset(),
-        in_flight_union: Set[Expert] = frozenset(),
-        byte_map: Mapping[Expert, int] | None = None,
+        resident: Set[ExpertKey] = frozenset(),
+        in_flight_union: Set[ExpertKey] = frozenset(),
     ) -> VerifyAdmission:
         """One admission step; synchronous and await-free, run by the engine loop.
 
@@ -451,7 +216,7 @@ class VerifyScheduler:
         start = self._clock()
         seated = list(self._in_flight.values())
         waiting = list(self._queue.values())
-        charges = self._charges(seated + waiting, resident, in_flight_union, byte_map)
+        charges = self._charges(seated + waiting, resident, in_flight_union)
         demands = self._as_demands(seated + waiting, charges, n_seated=len(seated))
         result = admit_verify_demands(demands, self.budget, self._carried, self.cap, barrier_after=self.barrier_after)
         self._ticks += 1
@@ -471,7 +236,7 @@ class VerifyScheduler:
         return len(self._queue)
 
     @property
-    def carried(self) -> Deficit2D:
+    def carried(self) -> TokensBytes:
         return self._carried
 
     def stats(self) -> SchedulerStats:
@@ -481,8 +246,8 @@ class VerifyScheduler:
             admitted=self._admitted_total,
             pending=len(self._queue),
             in_flight=len(self._in_flight),
-            wait_p50_s=_percentile(waits, 0.50),
-            wait_p99_s=_percentile(waits, 0.99),
+            wait_p50_s=percentile(waits, 0.50),
+            wait_p99_s=percentile(waits, 0.99),
             last_tick_s=self._last_tick_s,
         )
 
@@ -490,34 +255,25 @@ class VerifyScheduler:
 
     def _check_request(self, r: VerifyRequest) -> None:
         for name in ("tokens", "full_bytes", "fetch_bytes"):
-            _require_int(name, getattr(r, name), 0, f"it is a size (sequence {r.seq_id!r})")
+            require_int(name, getattr(r, name), 0, why=f"it is a size (sequence {r.seq_id!r})")
         if r.fetch_bytes > r.full_bytes:
             raise ValueError(
                 f"sequence {r.seq_id!r}: fetch_bytes={r.fetch_bytes} exceeds full_bytes="
                 f"{r.full_bytes}; the fetched part of a union cannot exceed the union"
             )
-        if r.tokens > self.cap.tokens:
-            raise ValueError(
-                f"sequence {r.seq_id!r}: tokens={r.tokens} exceeds token_cap={self.cap.tokens}, "
-                "so it could never be admitted"
-            )
-        most = r.fetch_bytes if self.charge_mode is ChargeMode.FETCH else r.full_bytes
-        if not self.token_only and most > self.cap.expert_bytes:
-            raise ValueError(
-                f"sequence {r.seq_id!r}: it may be charged {most} bytes, more than "
-                f"byte_cap={self.cap.expert_bytes}, so it could never be admitted"
-            )
+        who = f"the verify of sequence {r.seq_id!r}"
+        require_fits_cap("token_cap", self.cap.tokens, r.tokens, f"the tokens of {who}")
+        if not self.token_only:
+            most = r.fetch_bytes if self.charge_mode is ChargeMode.FETCH else r.full_bytes
+            require_fits_cap("byte_cap", self.cap.expert_bytes, most, f"the bytes {who} may be charged")
 
-    def _charges(self, entries, resident, in_flight_union, byte_map) -> list[int]:
+    def _charges(self, entries: list[_Entry], resident: Set[ExpertKey], in_flight_union: Set[ExpertKey]) -> list[int]:
         if self.token_only:
             return [0] * len(entries)
-        if self.charge_mode is not ChargeMode.MARGINAL or byte_map is None:  # None: charge_bytes says why
-            return charge_bytes([e.request for e in entries], self.charge_mode, byte_map, resident, in_flight_union)
-        if self._masks is None or self._masks.byte_map is not byte_map:
-            self._masks = ExpertMasks(byte_map)
         masks = self._masks
-        unions = [e.union_mask(masks) for e in entries]
-        return marginal_charges(masks, unions, masks.mask(resident) | masks.mask(in_flight_union))
+        union_masks = [e.union_mask(masks) for e in entries] if masks is not None else None
+        requests = [e.request for e in entries]
+        return charge_bytes(requests, self.charge_mode, masks, resident, in_flight_union, union_masks=union_masks)
 
     @staticmethod
     def _as_demands(entries, charges, n_seated: int) -> list[VerifyDemand]:
@@ -541,7 +297,7 @@ class VerifyScheduler:
         for seq_id in admitted_ids:
             entry = self._queue.pop(seq_id)
             entry.admitted_tick = self._ticks
-            entry.charge = Deficit2D(by_id[seq_id].tokens, by_id[seq_id].expert_bytes)
+            entry.charge = TokensBytes(by_id[seq_id].tokens, by_id[seq_id].expert_bytes)
             self._admitted[seq_id] = entry
             self._admitted_total += 1
             self._waits.append(now - entry.registered_at)
@@ -556,38 +312,21 @@ class VerifyScheduler:
                 # upper bound on the marginal bytes), so re-assignment never overspends.
                 charges = [e.request.full_bytes for e in waiting]
             else:
-                charges = self._charges(waiting, frozenset(), frozenset(), None)
+                charges = self._charges(waiting, frozenset(), frozenset())
             demands = self._as_demands(waiting, charges, n_seated=0)
             result = admit_verify_demands(
                 demands,
-                Deficit2D(*self._pool),
-                Deficit2D(0, 0),
+                TokensBytes(*self._pool),
+                ZERO,
                 self.cap,
                 barrier_after=self.barrier_after,
             )
             used = _sum(demands, set(result.admitted_ids))
             self._pool = (self._pool[0] - used.tokens, self._pool[1] - used.expert_bytes)
             self._hand_out(result.admitted_ids, demands)
-        self._carried = Deficit2D(
-            tokens=min(max(self._pool[0], 0), self.cap.tokens),
-            expert_bytes=min(max(self._pool[1], 0), self.cap.expert_bytes),
-        )
+        self._carried = TokensBytes(*self._pool).clamped(self.cap)
 
 
-def _sum(demands: Sequence[VerifyDemand], ids: set) -> Deficit2D:
+def _sum(demands: Sequence[VerifyDemand], ids: set) -> TokensBytes:
     chosen = [d for d in demands if d.seq_id in ids]
-    return Deficit2D(sum(d.tokens for d in chosen), sum(d.expert_bytes for d in chosen))
-
-
-def _require_int(name: str, value, minimum: int, why: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: it must be an int >= {minimum} ({why})")
-
-
-def _percentile(sorted_values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of already sorted values; None when there are none."""
-    if not sorted_values:
-        return None
-    permille = round(q * 1000)
-    rank = max(1, (permille * len(sorted_values) + 999) // 1000)  # ceil(q * n), exact
-    return sorted_values[rank - 1]
+    return TokensBytes(sum(d.tokens for d in chosen), sum(d.expert_bytes for d in chosen))

@@ -1,8 +1,7 @@
 """One request inside the engine: its lifecycle state machine, its session and its counters.
 
-Owns the lifecycle (one shared `transitions.Machine`, triggers for lifecycle edges only),
-what a sequence has streamed, and the snapshot that lets a failed batched round be retried
-one sequence at a time. Must not touch scheduling or model work: the engine decides when
+Owns the lifecycle (one shared `transitions.Machine`, triggers for lifecycle edges only)
+and what a sequence has streamed. Must not touch scheduling or model work: the engine decides when
 a trigger fires and runs the rounds.
 
     WAITING -schedule-> PREFILL -prefilled-> DRAFT -drafted-> VERIFY -verified-> DRAFT ...
@@ -16,17 +15,17 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import anyio
 import attrs
-import torch
 from transitions import Machine
 
 from pdflash.engine.outputs import OutputMailbox, RequestMetrics, RequestOutput, TextStream
-from pdflash.engine.scheduler import Ticket
+from pdflash.engine.ticket import Ticket
 from pdflash.sampling import SamplingParams
-from pdflash.spec.projection import ExpertKey
-from pdflash.spec.speculator import SpecSession
+from pdflash.spec.session import DraftResult, SpecSession
+from pdflash.target.experts import ExpertKey
 
 
 class SequenceState(enum.Enum):
@@ -70,7 +69,7 @@ class Sequence:
     params: SamplingParams
     text: TextStream
     mailbox: OutputMailbox = attrs.Factory(OutputMailbox)
-    arrival: float = attrs.Factory(time.perf_counter)  # seconds (perf_counter)
+    arrival_s: float = attrs.Factory(time.perf_counter)  # perf_counter seconds
     session: SpecSession | None = None  # set by prefill; released on exit
     state: SequenceState = attrs.field(init=False, default=S.WAITING)  # owned by LIFECYCLE
     # hot counters: plain attributes, never triggers
@@ -79,12 +78,23 @@ class Sequence:
     expert_bytes: int = 0  # Σ projected union bytes over its verifies
     fetch_bytes: int = 0  # Σ non-resident part of those
     first_token_at: float | None = None
-    drafted_at: float = 0.0  # when its pending demand was registered
-    admission_wait_seconds: float = 0.0
+    drafted_at: float = 0.0  # perf_counter seconds when its pending demand was registered
+    admission_wait_s: float = 0.0
     ticket: Ticket | None = None  # admission ticket of its pending verify demand
-    pinned: frozenset[ExpertKey] = frozenset()  # route-ahead union held for its admitted verify
+    draft: DraftResult | None = None  # its pending verify's drafted block and projected union
+    claimed: frozenset[ExpertKey] = frozenset()  # route-ahead union the cache keeps for its admitted verify
     busy: bool = False  # inside a lane call: the session must not be released yet
-    released: anyio.Event = attrs.Factory(anyio.Event)  # KV, demand and pins given back
+    released: anyio.Event = attrs.Factory(anyio.Event)  # KV, demand and claims given back
+
+    if TYPE_CHECKING:  # the triggers LIFECYCLE.add_model binds onto each instance
+
+        def schedule(self) -> bool: ...
+        def prefilled(self) -> bool: ...
+        def drafted(self) -> bool: ...
+        def verified(self) -> bool: ...
+        def finish(self) -> bool: ...
+        def abort(self) -> bool: ...
+        def fail(self) -> bool: ...
 
     def __attrs_post_init__(self) -> None:
         LIFECYCLE.add_model(self)
@@ -99,24 +109,14 @@ class Sequence:
     @property
     def kv_bytes(self) -> int:
         """Target + drafter KV cache bytes its session holds."""
-        if self.session is None:
-            return 0
-        draft = self.session.draft_cache
-        return self.session.target_cache.nbytes + (draft.nbytes if draft is not None else 0)
+        return self.session.kv_bytes if self.session is not None else 0
 
-    def stream(self, token_ids: list[int], finish_reason: str | None) -> str | None:
-        """Send new tokens (cut after one that completes a stop string); return the finish reason, if any."""
-        kept = []
-        for token in token_ids:
-            kept.append(token)
-            if self.text.push(token):
-                finish_reason = "stop"
-                break
-        if kept and self.first_token_at is None:
+    def stream(self, token_ids: tuple[int, ...] | list[int], finish_reason: str | None) -> None:
+        """Send a round's tokens (already cut where the request ends) and, once it has, its finish reason."""
+        if token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.streamed += len(kept)
-        self._put(tuple(kept), finish_reason)
-        return finish_reason
+        self.streamed += len(token_ids)
+        self._put(tuple(token_ids), finish_reason)
 
     def close_stream(self, finish_reason: str) -> None:
         """Send the last delta of a sequence that ends without new tokens (an abort)."""
@@ -140,59 +140,9 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids),
             generated_tokens=self.streamed,
             acceptance_lengths=tuple(self.acceptance_lengths),
-            ttft_seconds=None if self.first_token_at is None else self.first_token_at - self.arrival,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - self.arrival_s,
             expert_bytes=self.expert_bytes,
             fetch_bytes=self.fetch_bytes,
-            admission_wait_seconds=self.admission_wait_seconds,
+            admission_wait_s=self.admission_wait_s,
             session_stats=self.session.stats() if final and self.session is not None else None,
         )
-
-
-_SESSION_FIELDS = (
-    "anchor",
-    "start",
-    "context",
-    "pending",
-    "last_union",
-    "finish_reason",
-    "projection_seconds",
-    "verify_seconds",
-)
-
-
-@attrs.frozen(kw_only=True)
-class RoundSnapshot:
-    """What a draft or verify round may change in a session, captured before a batched call.
-
-    A batch that raises leaves its sessions partly advanced (caches written, some accepted);
-    restoring every session lets each be retried alone, which is how the culprit is found.
-    """
-
-    fields: dict  # session attribute -> value before the round
-    emitted: int  # len(session.emitted)
-    rounds: int  # len(session.trace)
-    target_length: int  # tokens in the target KV cache
-    draft_length: int | None  # tokens in the drafter KV cache (None without a drafter)
-    generator_state: torch.Tensor | None  # sampling RNG state (None when greedy)
-
-    @classmethod
-    def capture(cls, s: SpecSession) -> RoundSnapshot:
-        return cls(
-            fields={name: getattr(s, name) for name in _SESSION_FIELDS},
-            emitted=len(s.emitted),
-            rounds=len(s.trace),
-            target_length=s.target_cache.length,
-            draft_length=None if s.draft_cache is None else s.draft_cache.length,
-            generator_state=None if s.generator is None else s.generator.get_state(),
-        )
-
-    def restore(self, s: SpecSession) -> None:
-        for name, value in self.fields.items():
-            setattr(s, name, value)
-        del s.emitted[self.emitted :]
-        del s.trace[self.rounds :]
-        s.target_cache.crop(self.target_length)
-        if s.draft_cache is not None:
-            s.draft_cache.crop(self.draft_length)
-        if s.generator is not None:
-            s.generator.set_state(self.generator_state)

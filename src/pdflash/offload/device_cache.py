@@ -15,6 +15,7 @@ differs from the stored one.
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -23,11 +24,11 @@ import attrs
 import torch
 
 from pdflash.offload.eviction import make_policy
-from pdflash.offload.host_store import ExpertKey, HostExpert, HostExpertStore
+from pdflash.offload.host_store import HostExpert, HostExpertStore
 from pdflash.offload.link import Link
 from pdflash.offload.prefetch import PrefetchLane, Priority
 from pdflash.target.config import ModelConfig
-from pdflash.target.experts import ExpertWave
+from pdflash.target.experts import ExpertKey, ExpertWave
 
 MIN_SLOTS = 2  # one expert being computed while the next one lands
 
@@ -66,7 +67,7 @@ class _Counters:
     miss_bytes: int = 0
     evictions: int = 0
     peak_slots: int = 0
-    exposed_fetch_seconds: float = 0.0
+    exposed_fetch_s: float = 0.0
     prefetch_requests: int = 0
     prefetch_fetches: int = 0
     prefetch_bytes: int = 0
@@ -95,7 +96,7 @@ class OffloadStats:
     miss_bytes: int
     expert_cache_hit_rate: float  # hit_bytes / (hit_bytes + miss_bytes), 0.0 before any need
     evictions: int
-    exposed_fetch_seconds: float  # time forwards spent waiting for the lane (or for a free slot)
+    exposed_fetch_s: float  # time forwards spent waiting for the lane (or for a free slot)
     prefetch_requests: int  # prefetch keys queued (not resident when asked)
     prefetch_fetches: int  # of those, fetched
     prefetch_bytes: int  # byte-map bytes fetched by prefetches
@@ -168,7 +169,8 @@ class OffloadedExperts:
                 if self.device.type == "cuda":
                     stream = torch.cuda.current_stream(self.device)
                     for entry in wave:
-                        stream.wait_event(entry.loaded)
+                        if entry.loaded is not None:
+                            stream.wait_event(entry.loaded)
                 yield self._as_wave(wave)
                 with self._cond:
                     self._unpin(wave)
@@ -203,7 +205,7 @@ class OffloadedExperts:
                 if key in self._table:
                     self._claim(self._table[key])
                 else:
-                    self.lane.submit(priority, lambda key=key: self._prefetch_job(key, requested_at))
+                    self.lane.submit(priority, functools.partial(self._prefetch_job, key, requested_at))
                     queued += 1
             self._counters.prefetch_requests += queued
         return queued
@@ -227,7 +229,7 @@ class OffloadedExperts:
                 miss_bytes=c.miss_bytes,
                 expert_cache_hit_rate=_ratio(c.hit_bytes, c.hit_bytes + c.miss_bytes),
                 evictions=c.evictions,
-                exposed_fetch_seconds=c.exposed_fetch_seconds,
+                exposed_fetch_s=c.exposed_fetch_s,
                 prefetch_requests=c.prefetch_requests,
                 prefetch_fetches=c.prefetch_fetches,
                 prefetch_bytes=c.prefetch_bytes,
@@ -282,7 +284,7 @@ class OffloadedExperts:
                 self._cond.wait()
                 if not held:  # every slot was pinned by other forwards: try again now one was released
                     self._acquire(layer, pending, held)
-            self._counters.exposed_fetch_seconds += time.perf_counter() - started
+            self._counters.exposed_fetch_s += time.perf_counter() - started
             return ready
 
     def _acquire(self, layer: int, pending: list[int], held: list[_Entry]) -> None:
@@ -436,7 +438,7 @@ def _budget_bytes(expert_cache_bytes: int | None, expert_cache_fraction: float |
         if not 0.0 < expert_cache_fraction <= 1.0:
             raise ValueError(f"expert_cache_fraction must be in (0, 1], got {expert_cache_fraction}")
         return int(expert_cache_fraction * all_expert_bytes)
-    if expert_cache_bytes < 0:
+    if expert_cache_bytes is None or expert_cache_bytes < 0:
         raise ValueError(f"expert_cache_bytes must be >= 0, got {expert_cache_bytes}")
     return int(expert_cache_bytes)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-ExpertKey = tuple[int, int]  # (layer, expert)
+from pdflash.target.experts import ExpertKey
 
 
 class EvictionPolicy(Protocol):

@@ -1,18 +1,15 @@
 """The host tier: every expert's weights as zero-copy views of the memory-mapped safetensors files.
 
-Owns reading expert tensors from disk (the safetensors header is parsed here: an 8-byte
-little-endian length, then JSON with dtype, shape and data_offsets per tensor; each tensor
-is `torch.frombuffer` over a private mmap of its file, so nothing is read until a fetch
-touches it), optional pinned host copies for asynchronous copies on CUDA, and the check
+Owns reading expert tensors from disk (each tensor is `torch.frombuffer` over a private
+mmap of its file, at the byte range the checkpoint's one header parse recorded, so nothing
+is read until a fetch touches it), optional pinned host copies for asynchronous copies on CUDA, and the check
 that an expert's bytes are finite before they reach the device. It must not know about
 slots, budgets or eviction.
 """
 
 from __future__ import annotations
 
-import json
 import mmap
-import struct
 import threading
 import warnings
 from pathlib import Path
@@ -21,10 +18,9 @@ import attrs
 import torch
 
 from pdflash.errors import CheckpointError
-from pdflash.target.checkpoint import EXPERT_PROJECTIONS, Checkpoint, expert_shapes, expert_tensor_name
+from pdflash.target.checkpoint import EXPERT_PROJECTIONS, Checkpoint, TensorInfo, expert_shapes, expert_tensor_name
 from pdflash.target.config import ModelConfig
-
-ExpertKey = tuple[int, int]  # (layer, expert)
+from pdflash.target.experts import ExpertKey
 
 
 @attrs.frozen(kw_only=True)
@@ -44,7 +40,7 @@ class HostExpertStore:
         self.checkpoint = checkpoint
         self.shapes = expert_shapes(config)
         self.keys = [(layer, e) for layer in config.moe_layer_ids for e in range(config.num_experts)]
-        self._maps: dict[Path, tuple[mmap.mmap, int, dict]] = {}  # file -> (map, data start, header)
+        self._maps: dict[Path, mmap.mmap] = {}  # file -> its private map
         self._experts = {key: self._map_expert(key) for key in self.keys}
         self._verified: set[ExpertKey] = set()
         self._verify_lock = threading.Lock()
@@ -73,28 +69,20 @@ class HostExpertStore:
         return self._experts[key].nbytes
 
     def _map_expert(self, key: ExpertKey) -> HostExpert:
-        tensors = []
-        for proj in EXPERT_PROJECTIONS:
-            name = expert_tensor_name(*key, proj)
-            info = self.checkpoint.info(name, self.shapes[proj])
-            tensors.append(self._view(info.file, name, info.dtype, info.shape))
+        tensors = [
+            self._view(self.checkpoint.info(expert_tensor_name(*key, proj), self.shapes[proj]))
+            for proj in EXPERT_PROJECTIONS
+        ]
         return HostExpert(gate=tensors[0], up=tensors[1], down=tensors[2], nbytes=sum(t.nbytes for t in tensors))
 
-    def _view(self, file: Path, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        if file not in self._maps:
-            self._maps[file] = _map_file(file)
-        mapped, data_start, header = self._maps[file]
-        start, end = (data_start + offset for offset in header[name]["data_offsets"])
-        nbytes = dtype.itemsize * torch.Size(shape).numel()
-        if end - start != nbytes or end > len(mapped):
-            raise CheckpointError(
-                f"{file}: tensor {name!r} spans bytes [{start}, {end}) of a {len(mapped)}-byte file, "
-                f"but {dtype} {list(shape)} needs {nbytes} bytes inside it"
-            )
-        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=start)  # [nbytes] zero-copy
-        if start % dtype.itemsize:
+    def _view(self, info: TensorInfo) -> torch.Tensor:
+        if info.file not in self._maps:
+            self._maps[info.file] = _map_file(info.file)
+        mapped = self._maps[info.file]
+        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=info.nbytes, offset=info.start)  # [nbytes] zero-copy
+        if info.start % info.dtype.itemsize:
             raw = raw.clone()  # misaligned for its dtype: an aligned private copy
-        return raw.view(dtype).view(shape)
+        return raw.view(info.dtype).view(info.shape)
 
     def _pin_all(self) -> int:
         """Copy experts into pinned host memory; on failure keep the rest memory-mapped and warn."""
@@ -116,13 +104,10 @@ class HostExpertStore:
         return pinned
 
 
-def _map_file(file: Path) -> tuple[mmap.mmap, int, dict]:
-    """A private (copy-on-write) map of a safetensors file, its data start and its parsed header."""
+def _map_file(file: Path) -> mmap.mmap:
+    """A private (copy-on-write) map of a safetensors file."""
     try:
         with open(file, "rb") as handle:
-            (header_len,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(header_len))
-            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, struct.error, ValueError) as exc:
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: cannot map safetensors file ({exc})") from exc
-    return mapped, 8 + header_len, header

@@ -37,8 +37,8 @@ class Link:
             raise ValueError(f"link_gbps must be > 0 (GB/s of the emulated link), got {gbps}")
         return cls(label="emulated", gbps=float(gbps), latency_s=float(latency_s))
 
-    def transfer_seconds(self, nbytes: int) -> float:
-        if self.label != "emulated":
+    def transfer_s(self, nbytes: int) -> float:
+        if self.gbps is None:  # the real link: copies take the time they take
             return 0.0
         return nbytes / (self.gbps * 1e9) + self.latency_s
 
@@ -46,7 +46,7 @@ class Link:
         """Sleep (on the lane thread) until the emulated pipe has carried `nbytes` requested at `requested_at`."""
         if self.label != "emulated":
             return
-        self.free_at = max(self.free_at, requested_at) + self.transfer_seconds(nbytes)
+        self.free_at = max(self.free_at, requested_at) + self.transfer_s(nbytes)
         wait = self.free_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)

@@ -10,7 +10,7 @@ from pdflash.offload.device_cache import OffloadedExperts
 from pdflash.offload.host_store import HostExpertStore
 from pdflash.target.checkpoint import Checkpoint
 from pdflash.target.config import ModelConfig
-from pdflash.target.loader import LoadedTarget, load_target, resolve_dtype
+from pdflash.target.loader import LoadedTarget, load_target
 
 
 def load_offloaded_target(
@@ -27,9 +27,12 @@ def load_offloaded_target(
     `cache` are `OffloadedExperts` keywords (expert_cache_bytes or expert_cache_fraction,
     policy, link_gbps, link_latency_s). `pin_host` defaults to pinning on CUDA only.
     """
-    directory = Path(directory)
-    device = torch.device(device)
-    config = ModelConfig.from_file(directory / "config.json")
-    store = HostExpertStore(Checkpoint(directory), config, pin=device.type == "cuda" if pin_host is None else pin_host)
-    experts = OffloadedExperts(store, config, dtype=resolve_dtype(dtype, device), device=device, **cache)
+
+    def experts(
+        checkpoint: Checkpoint, config: ModelConfig, torch_dtype: torch.dtype, device: torch.device
+    ) -> OffloadedExperts:
+        pin = device.type == "cuda" if pin_host is None else pin_host
+        store = HostExpertStore(checkpoint, config, pin=pin)
+        return OffloadedExperts(store, config, dtype=torch_dtype, device=device, **cache)  # type: ignore[arg-type]
+
     return load_target(directory, dtype=dtype, device=device, experts=experts, progress=progress)

@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from pdflash.engine.async_engine import EngineClosedError, EngineOverloadedError
+from pdflash.errors import EngineClosedError, EngineOverloadedError
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"

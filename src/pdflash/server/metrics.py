@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from pdflash.engine.outputs import RequestOutput
+from pdflash.measure import tokens_per_second
 
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/ws")
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -148,7 +149,7 @@ def _provider_metrics(p: dict | None):
     yield GaugeMetricFamily("pdflash_expert_cache_bytes", "device expert cache budget", value=p["expert_cache_bytes"])
     yield CounterMetricFamily("pdflash_expert_evictions", "experts evicted from the device cache", value=p["evictions"])
     yield CounterMetricFamily(
-        "pdflash_exposed_fetch_seconds", "time forwards waited for expert fetches", value=p["exposed_fetch_seconds"]
+        "pdflash_exposed_fetch_seconds", "time forwards waited for expert fetches", value=p["exposed_fetch_s"]
     )
     info = GaugeMetricFamily(
         "pdflash_expert_link_info", "host-to-device link kind (emulated: simulated bandwidth)", labels=["link"]
@@ -184,9 +185,9 @@ class RequestTracker:
             if self.first_at is None:
                 self.first_at = now
                 self.metrics.prompt_tokens.inc(m.prompt_tokens)
-                if m.ttft_seconds is not None:
-                    self.metrics.ttft.observe(m.ttft_seconds)
-            else:
+                if m.ttft_s is not None:
+                    self.metrics.ttft.observe(m.ttft_s)
+            elif self.last_at is not None:
                 gap = (now - self.last_at) / n
                 for _ in range(n):
                     self.metrics.itl.observe(gap)
@@ -207,24 +208,23 @@ class RequestTracker:
         self.metrics.projected_fetch_bytes += delta.fetch_bytes
         self.rounds, self.expert_bytes, self.fetch_bytes = len(m.acceptance_lengths), m.expert_bytes, m.fetch_bytes
         if out.finished:
-            self.metrics.admission_wait.observe(m.admission_wait_seconds)
+            self.metrics.admission_wait.observe(m.admission_wait_s)
         return delta
 
     def summary(self, out: RequestOutput) -> dict[str, Any]:
         """The request's metrics as of `out` (the final delta carries the session's round stats too)."""
         m = out.metrics
         lengths = list(m.acceptance_lengths)
-        span = (self.last_at - self.first_at) if self.first_at is not None else 0.0
         return (m.session_stats or {}) | {
             "prompt_tokens": m.prompt_tokens,
             "generated_tokens": m.generated_tokens,
             "acceptance_lengths": lengths,
             "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
-            "ttft_seconds": m.ttft_seconds,
-            "tokens_per_second": (self.tokens - 1) / span if self.tokens > 1 and span > 0 else 0.0,
+            "ttft_s": m.ttft_s,
+            "tokens_per_second": tokens_per_second(self.tokens, self.first_at or 0.0, self.last_at or 0.0),
             "expert_bytes": m.expert_bytes,
             "fetch_bytes": m.fetch_bytes,
-            "admission_wait_seconds": m.admission_wait_seconds,
+            "admission_wait_s": m.admission_wait_s,
         }
 
 

@@ -11,23 +11,18 @@ from typing import Any
 import anyio
 import attrs
 
+from pdflash.checks import at_least
 from pdflash.server.metrics import ServerMetrics, StatsBoard
-
-
-def _at_least(minimum: float):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-            raise ValueError(f"{attribute.name}={value!r} is invalid: it must be a number >= {minimum}")
-
-    return check
 
 
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     model_name: str = "pdflash"  # the name /v1/models lists and requests must use (or omit)
-    default_max_tokens: int = attrs.field(default=256, validator=_at_least(1))  # when a request gives none
-    stats_interval_s: float = attrs.field(default=0.5, validator=_at_least(0.05))  # websocket stats period
-    max_ws_generations: int = attrs.field(default=32, validator=_at_least(1))  # concurrent ones per socket
+    default_max_tokens: int = attrs.field(default=256, validator=at_least(1, integer=True))  # when a request gives none
+    stats_interval_s: float = attrs.field(
+        default=0.5, validator=at_least(0.05, integer=False)
+    )  # websocket stats period
+    max_ws_generations: int = attrs.field(default=32, validator=at_least(1, integer=True))  # concurrent ones per socket
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:

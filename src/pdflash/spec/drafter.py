@@ -240,13 +240,12 @@ def load_drafter(directory: Path | str, target, *, progress: bool = False) -> DF
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         qd, kvd = cfg.num_heads * D, cfg.num_kv_heads * D
+        biases: tuple[torch.Tensor | None, ...] = (None, None, None)  # no attention biases
         if cfg.attention_bias:
             q_bias, k_bias, v_bias, o_bias = (
                 load(p + f"self_attn.{n}_proj.bias", size) for n, size in zip("qkvo", (qd, kvd, kvd, H))
             )
             biases = (q_bias, torch.cat([k_bias, v_bias]), o_bias)
-        else:
-            biases = (None, None, None)
         layers.append(
             DraftLayer(
                 input_norm=load(p + "input_layernorm.weight", H),

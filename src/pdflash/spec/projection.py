@@ -12,7 +12,7 @@ from typing import Protocol
 import attrs
 import torch
 
-ExpertKey = tuple[int, int]  # (layer, expert)
+from pdflash.target.experts import ExpertKey
 
 
 def routed_union(routed: torch.Tensor, moe_layer_ids: Sequence[int]) -> frozenset[ExpertKey]:

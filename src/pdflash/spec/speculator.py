@@ -11,96 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 
-import attrs
 import torch
 
+from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams, sample
 from pdflash.spec.drafter import DFlashDrafter
-from pdflash.spec.projection import ExpertKey, ProjectionQuality, make_projector, routed_union, union_bytes
-from pdflash.stopping import StopRule
-from pdflash.target.kv_cache import KVCache
+from pdflash.spec.projection import ProjectionQuality, make_projector, routed_union, union_bytes
+from pdflash.spec.session import DraftResult, RoundOrderError, RoundTrace, SpecSession, VerifyResult
+from pdflash.stopping import StopRule, StopWatcher
+from pdflash.target.experts import ExpertKey
 from pdflash.target.model import Qwen3MoeModel
-
-
-class RoundOrderError(RuntimeError):
-    """A round was asked for out of order (a bug in the caller)."""
-
-
-@attrs.frozen(kw_only=True)
-class DraftResult:
-    block: tuple[int, ...]  # anchor + drafted tokens; its length is this round's verify tokens
-    expert_union: frozenset[ExpertKey]  # projected (layer, expert) pairs the verify will route to
-    expert_bytes: int  # exact Σ of the byte map over expert_union
-    fetch_bytes: int  # the part of expert_bytes not resident at projection time
-    projection_seconds: float  # this session's share of the batched projection
-
-    @property
-    def tokens(self) -> int:
-        return len(self.block)
-
-
-@attrs.frozen(kw_only=True)
-class VerifyResult:
-    accepted_ids: tuple[int, ...]  # tokens emitted this round (accepted drafts + bonus), after stop clipping
-    accept_len: int  # drafts accepted by the target (0 … block-1)
-    committed: int  # tokens now in the target cache beyond the prompt
-    finished: bool
-    finish_reason: str | None
-
-
-@attrs.frozen(kw_only=True)
-class RoundTrace:
-    start: int  # absolute position of the anchor
-    tokens: int  # verify block length
-    acceptance_length: int  # tokens emitted this round, bonus included (τ of the round)
-    expert_bytes: int  # projected union bytes
-    fetch_bytes: int
-    actual_bytes: int  # bytes of the union the verify routed
-    quality: ProjectionQuality
-
-
-@attrs.define(eq=False)
-class SpecSession:
-    prompt_ids: list[int]
-    params: SamplingParams
-    rule: StopRule
-    generator: torch.Generator | None
-    target_cache: KVCache
-    draft_cache: KVCache | None
-    context: torch.Tensor | None  # [c, n_taps*H] tap features the drafter has not seen
-    anchor: int  # last emitted token, not yet in the target cache
-    start: int  # absolute position of the anchor
-    emitted: list[int]
-    last_union: frozenset[ExpertKey]
-    finish_reason: str | None = None
-    pending: DraftResult | None = None
-    trace: list[RoundTrace] = attrs.Factory(list)
-    projection_seconds: float = 0.0
-    verify_seconds: float = 0.0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def acceptance_lengths(self) -> list[int]:
-        return [r.acceptance_length for r in self.trace]
-
-    def stats(self) -> dict:
-        rounds = len(self.trace)
-        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
-        return {
-            "rounds": rounds,
-            "mean_acceptance_length": mean(self.acceptance_lengths),
-            "projection_coverage": mean([r.quality.coverage for r in self.trace]),
-            "projection_coverage_bytes": mean([r.quality.coverage_bytes for r in self.trace]),
-            "projection_waste_bytes": sum(r.quality.waste_bytes for r in self.trace),
-            "projected_expert_bytes": sum(r.expert_bytes for r in self.trace),
-            "verify_expert_bytes": sum(r.actual_bytes for r in self.trace),
-            "projection_seconds": self.projection_seconds,
-            "verify_seconds": self.verify_seconds,
-            "projection_to_verify_ratio": self.projection_seconds / self.verify_seconds if self.verify_seconds else 0.0,
-        }
 
 
 class Speculator:
@@ -130,13 +50,27 @@ class Speculator:
         self.taps = drafter.config.tap_layers if drafter else ()
 
     # -- prefill -------------------------------------------------------------------------
-    def begin_session(self, prompt_ids: Sequence[int], params: SamplingParams) -> SpecSession:
-        return self.begin_sessions([(prompt_ids, params)])[0]
+    def begin_session(
+        self, prompt_ids: Sequence[int], params: SamplingParams, watcher: StopWatcher | None = None
+    ) -> SpecSession:
+        return self.begin_sessions([(prompt_ids, params)], [watcher])[0]
 
-    def begin_sessions(self, requests: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[SpecSession]:
-        """Prefill many prompts in one target forward; each gets its first token."""
+    def begin_sessions(
+        self,
+        requests: Sequence[tuple[Sequence[int], SamplingParams]],
+        watchers: Sequence[StopWatcher | None] | None = None,
+    ) -> list[SpecSession]:
+        """Prefill many prompts in one target forward; each gets its first token.
+
+        `watchers[i]` (e.g. the request's text stream) sees every token request i emits, for
+        its stop strings; the session's StopRule decides with it when the request ends.
+        """
         cfg = self.target.config
-        rules = [StopRule.for_request(len(p), sp, cfg.max_positions, cfg.eos_token_ids) for p, sp in requests]
+        watchers = watchers if watchers is not None else [None] * len(requests)
+        rules = [
+            StopRule.for_request(len(p), sp, cfg.max_positions, cfg.eos_token_ids, watcher)
+            for (p, sp), watcher in zip(requests, watchers, strict=True)
+        ]
         for prompt, _ in requests:
             bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
             if bad:
@@ -144,7 +78,7 @@ class Speculator:
         caches = [self.target.new_cache() for _ in requests]
         prompts = [torch.tensor(list(p), dtype=torch.int64) for p, _ in requests]
         out = self.target.forward(prompts, caches, last_logits_only=True, taps=self.taps)
-        taps = out.split(out.taps) if self.taps else [None] * len(requests)
+        taps = out.split_taps()
         sessions = []
         for i, ((prompt, params), rule) in enumerate(zip(requests, rules)):
             generator = params.generator(self.target.device)
@@ -192,9 +126,9 @@ class Speculator:
                 expert_union=union,
                 expert_bytes=union_bytes(union, self.expert_nbytes),
                 fetch_bytes=union_bytes(union - set(resident), self.expert_nbytes),
-                projection_seconds=share,
+                projection_s=share,
             )
-            s.projection_seconds += share
+            s.projection_s += share
             results.append(s.pending)
         return results
 
@@ -204,7 +138,13 @@ class Speculator:
             return anchors
         mask = self.drafter.config.mask_token_id
         noisy = [torch.cat([a, torch.full((n - 1,), mask, dtype=torch.int64)]) for a, n in zip(anchors, sizes)]
-        logits = self.drafter.draft_logits([s.context for s in sessions], noisy, [s.draft_cache for s in sessions])
+        contexts, caches = [], []
+        for s in sessions:
+            if s.context is None or s.draft_cache is None:
+                raise RoundOrderError("draft_round on a session with no new target context (rounds out of order)")
+            contexts.append(s.context)
+            caches.append(s.draft_cache)
+        logits = self.drafter.draft_logits(contexts, noisy, caches)
         for s in sessions:
             s.context = None
         return [torch.cat([a, lg.argmax(dim=-1).cpu()]) for a, lg in zip(anchors, logits)]
@@ -214,16 +154,12 @@ class Speculator:
         return self.verify_rounds([session])[0]
 
     def verify_rounds(self, sessions: Sequence[SpecSession]) -> list[VerifyResult]:
-        for s in sessions:
-            if s.finished:
-                raise RoundOrderError("verify_round on a finished session")
-            if s.pending is None:
-                raise RoundOrderError("verify_round without a pending draft_round")
-        blocks = [torch.tensor(s.pending.block, dtype=torch.int64) for s in sessions]
+        drafts = [_pending_draft(s) for s in sessions]
+        blocks = [torch.tensor(d.block, dtype=torch.int64) for d in drafts]
         started = time.perf_counter()
         out = self.target.forward(blocks, [s.target_cache for s in sessions], taps=self.taps)
         share = (time.perf_counter() - started) / len(sessions)
-        taps = out.split(out.taps) if self.taps else [None] * len(sessions)
+        taps = out.split_taps()
         return [
             self._accept(s, block, logits, routed, tap, share)
             for s, block, logits, routed, tap in zip(
@@ -231,7 +167,7 @@ class Speculator:
             )
         ]
 
-    def _accept(self, s: SpecSession, block, logits, routed, taps, verify_seconds: float) -> VerifyResult:
+    def _accept(self, s: SpecSession, block, logits, routed, taps, verify_s: float) -> VerifyResult:
         posterior = sample(logits, s.params, s.generator).cpu()  # [b] target's token after each block position
         matches = (block[1:] == posterior[:-1]).int().cumprod(dim=0)  # [b-1]
         accepted = int(matches.sum())
@@ -240,27 +176,27 @@ class Speculator:
         s.target_cache.crop(s.start + accepted + 1)
         s.context = taps[: accepted + 1] if taps is not None else None
         actual = routed_union(routed, self.target.config.moe_layer_ids)
-        pending = s.pending
-        s.trace.append(
-            RoundTrace(
-                start=s.start,
-                tokens=len(block),
-                acceptance_length=len(kept),
-                expert_bytes=pending.expert_bytes,
-                fetch_bytes=pending.fetch_bytes,
-                actual_bytes=union_bytes(actual, self.expert_nbytes),
-                quality=ProjectionQuality.compare(pending.expert_union, actual, self.expert_nbytes),
-            )
+        pending = _pending_draft(s)
+        trace = RoundTrace(
+            start=s.start,
+            tokens=len(block),
+            acceptance_length=len(kept),
+            expert_bytes=pending.expert_bytes,
+            fetch_bytes=pending.fetch_bytes,
+            actual_bytes=union_bytes(actual, self.expert_nbytes),
+            quality=ProjectionQuality.compare(pending.expert_union, actual, self.expert_nbytes),
         )
+        s.trace.append(trace)
         s.anchor, s.start = int(posterior[accepted]), s.start + accepted + 1
         s.last_union, s.pending, s.finish_reason = actual, None, finish
-        s.verify_seconds += verify_seconds
+        s.verify_s += verify_s
         return VerifyResult(
             accepted_ids=tuple(kept),
-            accept_len=accepted,
+            accepted_drafts=accepted,
             committed=s.start - len(s.prompt_ids),
-            finished=finish is not None,
             finish_reason=finish,
+            trace=trace,
+            routed_union=actual,
         )
 
     def release(self, session: SpecSession) -> None:
@@ -284,6 +220,7 @@ def speculative_generate(speculator: Speculator, prompt_ids: Sequence[int], para
         speculator.verify_round(session)
     done = time.perf_counter()
     speculator.release(session)
+    assert session.finish_reason is not None  # the loop ran until the session finished
     n = len(session.emitted)
     return GenerationResult(
         token_ids=tuple(session.emitted),
@@ -292,9 +229,18 @@ def speculative_generate(speculator: Speculator, prompt_ids: Sequence[int], para
         stats={
             "prompt_tokens": len(prompt_ids),
             "generated_tokens": n,
-            "seconds": done - started,
-            "time_to_first_token_seconds": first_at - started,
-            "tokens_per_second": (n - 1) / (done - first_at) if n > 1 and done > first_at else 0.0,
+            "elapsed_s": done - started,
+            "ttft_s": first_at - started,
+            "tokens_per_second": tokens_per_second(n, first_at, done),
         }
         | session.stats(),
     )
+
+
+def _pending_draft(session: SpecSession) -> DraftResult:
+    """The session's drafted block, checking the round order (a verify needs one pending draft)."""
+    if session.finished:
+        raise RoundOrderError("verify_round on a finished session")
+    if session.pending is None:
+        raise RoundOrderError("verify_round without a pending draft_round")
+    return session.pending

@@ -115,6 +115,7 @@ def build_training_data(
     for start in tqdm(range(0, len(rows), batch), desc="target taps", disable=not progress):
         chunk = list(token_ids[start : start + batch])
         out = model.forward(chunk, [model.new_cache() for _ in chunk], last_logits_only=True, taps=tuple(tap_layers))
+        assert out.taps is not None  # asked for above
         states = out.taps.float().view(len(chunk), token_ids.shape[1], -1)
         if not torch.isfinite(states.half()).all():
             raise ValueError("target tap states overflow float16 storage")

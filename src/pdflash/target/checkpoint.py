@@ -1,12 +1,15 @@
 """Local Hugging Face checkpoint files: safetensors headers, tensor loading, the expert byte map.
 
-Owns file discovery (single or sharded safetensors) and validation of what is on disk;
-knows nothing of model math.
+Owns file discovery (single or sharded safetensors), the one parse of every file's header
+(an 8-byte little-endian length, then JSON with dtype, shape and data_offsets per tensor)
+and validation of what is on disk; knows nothing of model math. The host expert store maps
+tensors straight from the byte ranges recorded here.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import attrs
@@ -15,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from pdflash.errors import CheckpointError
 from pdflash.target.config import ModelConfig
+from pdflash.target.experts import ExpertKey
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -41,6 +45,8 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    start: int  # first byte of its data in `file`
+    end: int  # one past its last byte
 
     @property
     def nbytes(self) -> int:
@@ -106,17 +112,35 @@ class Checkpoint:
 
 def _read_header(file: Path) -> dict[str, TensorInfo]:
     try:
-        with safe_open(file, framework="pt") as handle:
-            names = list(handle.keys())
-            slices = {name: handle.get_slice(name) for name in names}
-            return {
-                name: TensorInfo(file, tuple(s.get_shape()), _dtype(file, name, s.get_dtype()))
-                for name, s in slices.items()
-            }
-    except SafetensorError as exc:
+        with open(file, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(header_len))
+        size = file.stat().st_size
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: corrupt safetensors header ({exc})") from exc
     except OSError as exc:
         raise CheckpointError(f"{file}: cannot read ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
+    data_start = 8 + header_len
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _dtype(file, name, entry["dtype"])
+            shape = tuple(int(d) for d in entry["shape"])
+            start, end = (data_start + int(offset) for offset in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{file}: corrupt safetensors header entry for {name!r} ({exc!r})") from exc
+        info = TensorInfo(file, shape, dtype, start, end)
+        if end - start != info.nbytes or end > size:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} spans bytes [{start}, {end}) of a {size}-byte file, "
+                f"but {dtype} {list(shape)} needs {info.nbytes} bytes inside it"
+            )
+        tensors[name] = info
+    return tensors
 
 
 def _dtype(file: Path, name: str, code: str) -> torch.dtype:
@@ -134,7 +158,7 @@ def expert_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
 
-def expert_byte_map(checkpoint: Checkpoint, config: ModelConfig) -> dict[tuple[int, int], int]:
+def expert_byte_map(checkpoint: Checkpoint, config: ModelConfig) -> dict[ExpertKey, int]:
     """expert_nbytes[(layer, expert)]: exact payload bytes of that expert as stored (all its tensors)."""
     shapes = expert_shapes(config)
     return {

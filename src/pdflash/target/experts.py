@@ -14,6 +14,8 @@ from typing import Protocol
 import attrs
 import torch
 
+ExpertKey = tuple[int, int]  # (MoE layer index, expert index): the one name for an expert everywhere
+
 
 @attrs.frozen(kw_only=True)
 class ExpertWave:

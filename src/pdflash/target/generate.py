@@ -7,6 +7,7 @@ import time
 import attrs
 import torch
 
+from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams, sample
 from pdflash.stopping import StopRule
 from pdflash.target.model import Qwen3MoeModel
@@ -28,7 +29,7 @@ def generate_autoregressive(model: Qwen3MoeModel, prompt_ids: list[int], params:
     step = torch.tensor(prompt_ids, dtype=torch.int64)
     emitted: list[int] = []
     finish = None
-    first_token_at = None
+    first_token_at: float | None = None
     while finish is None:
         logits = model.forward([step], [cache], last_logits_only=True).logits  # [1, V]
         token = int(sample(logits, params, generator)[0])
@@ -36,16 +37,16 @@ def generate_autoregressive(model: Qwen3MoeModel, prompt_ids: list[int], params:
         kept, finish = rule.clip(len(emitted), [token])
         emitted += kept
         step = torch.tensor(kept, dtype=torch.int64)
-    elapsed = time.perf_counter() - started
-    decode_seconds = time.perf_counter() - first_token_at
+    done = time.perf_counter()
+    first = first_token_at if first_token_at is not None else done
     return GenerationResult(
         token_ids=tuple(emitted),
         finish_reason=finish,
         stats={
             "prompt_tokens": len(prompt_ids),
             "generated_tokens": len(emitted),
-            "seconds": elapsed,
-            "time_to_first_token_seconds": first_token_at - started,
-            "tokens_per_second": (len(emitted) - 1) / decode_seconds if len(emitted) > 1 else 0.0,
+            "elapsed_s": done - started,
+            "ttft_s": first - started,
+            "tokens_per_second": tokens_per_second(len(emitted), first, done),
         },
     )

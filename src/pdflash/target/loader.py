@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -10,7 +11,7 @@ from tqdm import tqdm
 
 from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_shapes, expert_tensor_name
 from pdflash.target.config import ModelConfig
-from pdflash.target.experts import ExpertProvider, ResidentExperts
+from pdflash.target.experts import ExpertKey, ExpertProvider, ResidentExperts
 from pdflash.target.model import AttentionWeights, LayerWeights, Qwen3MoeModel
 from pdflash.target.tokenizer import TextTokenizer
 
@@ -22,7 +23,10 @@ class LoadedTarget:
     model: Qwen3MoeModel
     tokenizer: TextTokenizer | None  # None when the directory has no tokenizer.json
     checkpoint: Checkpoint
-    expert_nbytes: dict[tuple[int, int], int]  # (layer, expert) -> payload bytes as stored
+    expert_nbytes: dict[ExpertKey, int]  # (layer, expert) -> payload bytes as stored
+
+
+ExpertsFactory = Callable[[Checkpoint, ModelConfig, torch.dtype, torch.device], ExpertProvider]
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -41,15 +45,17 @@ def load_target(
     *,
     dtype: str | None = None,
     device: str | torch.device = "cpu",
-    experts: ExpertProvider | None = None,
+    experts: ExpertsFactory | None = None,
     progress: bool = False,
 ) -> LoadedTarget:
-    """Load config, non-expert weights and (unless `experts` is given) all experts, resident."""
+    """Load config, non-expert weights and all experts resident, unless `experts` is given: then
+    it builds the expert provider from the same parsed config and checkpoint headers."""
     directory = Path(directory)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
     config = ModelConfig.from_file(directory / "config.json")
     checkpoint = Checkpoint(directory)
+    provider = experts(checkpoint, config, torch_dtype, device) if experts is not None else None
     tokenizer = TextTokenizer(directory, config.vocab_size) if (directory / "tokenizer.json").is_file() else None
 
     def load(name: str, *shape: int) -> torch.Tensor:
@@ -57,28 +63,29 @@ def load_target(
 
     cfg = config
     H, D = cfg.hidden_size, cfg.head_dim
-    layers, stacks = [], {}
+    layers: list[LayerWeights] = []
+    stacks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # MoE layer -> gate, up, down
     for i in tqdm(range(cfg.num_layers), desc="loading target", disable=not progress):
         p = f"model.layers.{i}."
-        bias = (lambda name, n, p=p: load(p + f"self_attn.{name}.bias", n)) if cfg.attention_bias else (lambda *_: None)
+        bias = lambda name, n, p=p: load(p + f"self_attn.{name}.bias", n)  # only with attention_bias
         qkv_sizes = {"q_proj": cfg.num_heads * D, "k_proj": cfg.num_kv_heads * D, "v_proj": cfg.num_kv_heads * D}
-        qkv_biases = [bias(name, n) for name, n in qkv_sizes.items()]
         attention = AttentionWeights(
             qkv_proj=torch.cat([load(p + f"self_attn.{name}.weight", n, H) for name, n in qkv_sizes.items()]),
             o_proj=load(p + "self_attn.o_proj.weight", H, cfg.num_heads * D),
             q_norm=load(p + "self_attn.q_norm.weight", D),
             k_norm=load(p + "self_attn.k_norm.weight", D),
-            qkv_bias=torch.cat(qkv_biases) if cfg.attention_bias else None,
-            o_bias=bias("o_proj", H),
+            qkv_bias=torch.cat([bias(name, n) for name, n in qkv_sizes.items()]) if cfg.attention_bias else None,
+            o_bias=bias("o_proj", H) if cfg.attention_bias else None,
         )
         router = dense = None
         if cfg.moe_layers[i]:
             router = load(p + "mlp.gate.weight", cfg.num_experts, H)
             if experts is None:
-                stacks[i] = tuple(
+                gate, up, down = (
                     torch.stack([load(expert_tensor_name(i, e, proj), *shape) for e in range(cfg.num_experts)])
                     for proj, shape in expert_shapes(cfg).items()
                 )
+                stacks[i] = (gate, up, down)
         else:
             inter = cfg.dense_intermediate_size
             dense = (
@@ -103,7 +110,7 @@ def load_target(
         layers=layers,
         final_norm=load("model.norm.weight", H),
         lm_head=lm_head,
-        experts=experts if experts is not None else ResidentExperts(stacks),
+        experts=provider if provider is not None else ResidentExperts(stacks),
     )
     return LoadedTarget(
         model=model, tokenizer=tokenizer, checkpoint=checkpoint, expert_nbytes=expert_byte_map(checkpoint, config)

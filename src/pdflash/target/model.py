@@ -14,7 +14,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from pdflash import kernels
+import pdflash.kernels as kernels
 from pdflash.target.attention import attend
 from pdflash.target.config import ModelConfig
 from pdflash.target.experts import ExpertProvider
@@ -51,6 +51,10 @@ class BatchOutput:
     def split(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per-sequence views of a [T, ...] tensor."""
         return tensor.split(list(self.seq_lens))
+
+    def split_taps(self) -> list[torch.Tensor | None]:
+        """Per-sequence [t_i, n_taps*H] tap features; None for each when no taps were asked for."""
+        return list(self.split(self.taps)) if self.taps is not None else [None] * len(self.seq_lens)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,6 +135,7 @@ class Qwen3MoeModel:
             if weights.router is not None:
                 mlp_out, routed[:, self.moe_index[layer]] = self._moe(layer, weights.router, h, skip_experts)
             else:
+                assert weights.dense is not None  # the loader gives a layer a router or a dense MLP
                 mlp_out = swiglu(h, *weights.dense)
             x = x + mlp_out
             if layer in taps:

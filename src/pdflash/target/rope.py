@@ -31,8 +31,12 @@ def _yarn(rope: RopeConfig, head_dim: int, extrapolation: torch.Tensor) -> tuple
         else:
             attention_factor = mscale(rope.factor)
 
+    original = rope.original_max_positions
+    if original is None:
+        raise ValueError("yarn RoPE needs original_max_positions (the pre-training context length)")
+
     def correction_dim(rotations: float) -> float:
-        return head_dim * math.log(rope.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:

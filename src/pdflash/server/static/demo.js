@@ -78,7 +78,7 @@ function handle(msg) {
     running.delete(msg.id);
     const m = msg.metrics || {};
     finish(pane, `finished: ${msg.finish_reason}, ${m.generated_tokens ?? pane.tokens} tokens` +
-      (m.ttft_seconds ? `, first token after ${(1000 * m.ttft_seconds).toFixed(0)} ms` : ""), false);
+      (m.ttft_s ? `, first token after ${(1000 * m.ttft_s).toFixed(0)} ms` : ""), false);
     return;
   }
   if (msg.type === "error") {

@@ -1,0 +1,92 @@
+"""Model assembly for the engine: the bundled default, the projector choice and the offloaded branch.
+
+Owns turning checkpoint paths and options into the parts an AsyncEngine serves with: a
+Speculator (target and optional DFlash drafter), the tokenizer, and the expert provider
+when experts are offloaded. Loading runs on a short-lived thread (`off_thread`), so the
+caller's thread never starts torch's OpenMP team (it would slow the lane's forwards).
+Must not touch scheduling or serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from pdflash.bundled import default_drafter, default_target
+from pdflash.engine.lanes import off_thread
+from pdflash.spec.drafter import load_drafter
+from pdflash.spec.speculator import Speculator
+from pdflash.target.experts import ExpertKey
+from pdflash.target.loader import LoadedTarget, load_target
+from pdflash.target.tokenizer import TextTokenizer
+
+
+class OffloadProvider(Protocol):
+    """What the engine asks of an offloaded expert store."""
+
+    def prefetch(self, union: frozenset[ExpertKey]) -> int: ...  # queue route-ahead fetches; never blocks
+    def resident(self) -> frozenset[ExpertKey]: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+@attrs.frozen(kw_only=True)
+class EngineParts:
+    speculator: Speculator
+    tokenizer: TextTokenizer | None
+    provider: OffloadProvider | None  # the offloaded expert store, closed by whoever owns the engine
+
+
+def build_engine_parts(
+    target: Path | str | None = None,
+    drafter: Path | str | None = None,
+    *,
+    block_size: int | None = None,
+    projector: str | None = None,
+    dtype: str | None = None,
+    device: str = "cpu",
+    offload: Mapping[str, Any] | None = None,
+    progress: bool = False,
+    byte_budgets: bool = False,
+) -> EngineParts:
+    """Load a target (no target: the bundled pair) and optionally a DFlash drafter.
+
+    `offload`: keywords of `pdflash.offload.load_offloaded_target` (expert_cache_fraction,
+    link_gbps, ...) to serve experts from the host store. `projector` defaults to the router
+    pass when its better coverage is used (offloading or `byte_budgets`), else the free
+    last-union (docs/speculative.md measures both).
+    """
+    if projector is None:
+        projector = "router" if offload is not None or byte_budgets else "last-union"
+    if target is None:  # the bundled pair
+        target, drafter = default_target(), drafter or default_drafter(default_target())
+    target = Path(target)
+    provider: OffloadProvider | None = None
+    if offload is not None:
+        from pdflash.offload import load_offloaded_target
+
+        options = dict(offload)
+        loaded: LoadedTarget = off_thread(
+            lambda: load_offloaded_target(target, dtype=dtype, device=device, progress=progress, **options)
+        )
+        provider = loaded.model.experts  # type: ignore[assignment]  # an OffloadedExperts
+    else:
+        loaded = off_thread(lambda: load_target(target, dtype=dtype, device=device, progress=progress))
+    try:
+        draft_model = off_thread(lambda: load_drafter(drafter, loaded.model, progress=progress)) if drafter else None
+        speculator = Speculator(
+            loaded.model,
+            draft_model,
+            expert_nbytes=loaded.expert_nbytes,
+            projector=projector,
+            block_size=block_size,
+            resident=provider.resident if provider is not None else frozenset,
+        )
+    except BaseException:
+        if provider is not None:
+            provider.close()
+        raise
+    return EngineParts(speculator=speculator, tokenizer=loaded.tokenizer, provider=provider)
