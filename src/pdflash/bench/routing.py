@@ -10,6 +10,7 @@ commits. Must not touch caches, links or scheduling.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,8 +55,9 @@ class TraceRouting:
 
     @classmethod
     def load(cls, path: Path | str, kind: str) -> TraceRouting:
-        """The `kind` ("autoregressive" or "speculative") trace of a --record-routing file."""
-        data = json.loads(Path(path).read_text())
+        """The `kind` ("autoregressive" or "speculative") trace of a --record-routing file (.gz too)."""
+        raw = Path(path).read_bytes()
+        data = json.loads(gzip.decompress(raw) if Path(path).suffix == ".gz" else raw)
         traces = data.get("traces", {})
         if kind not in traces or not traces[kind]["sequences"]:
             raise ValueError(f"{path}: no {kind!r} trace recorded (it has {sorted(traces)})")

@@ -132,6 +132,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair_of(bench: dict) -> tuple[Path, Path]:
+    """The report's target and drafter; the bundled pair's if the report came from another checkout."""
+    from pdflash.bundled import default_drafter, default_target
+
+    target, drafter = Path(bench["target"]), Path(bench["drafter"])
+    if not target.is_dir() and target.name == default_target().name:
+        bundled_drafter = default_drafter(default_target())
+        if bundled_drafter is not None:
+            print(f"pdflash simulate: {target} is not here; using the bundled pair it names", file=sys.stderr)
+            return default_target(), bundled_drafter
+    return target, drafter
+
+
 def validate(args: argparse.Namespace) -> int:
     """Simulate the bundled pair (calibrated costs, replayed routing) at every closed-loop point of a bench report."""
     from pdflash.engine.async_engine import AsyncEngine
@@ -140,7 +153,8 @@ def validate(args: argparse.Namespace) -> int:
         raise ValueError("--validate needs --calibration (bench --calibrate) and --routing (bench --record-routing)")
     bench = json.loads(Path(args.validate).read_text())
     scale = bench["time_scale"]
-    probe = AsyncEngine.from_pretrained(bench["target"], bench["drafter"])
+    target, drafter = _pair_of(bench)
+    probe = AsyncEngine.from_pretrained(target, drafter)
     spec = probe.speculator
     cfg = spec.target.config
     slot = 3 * cfg.hidden_size * cfg.moe_intermediate_size * CPU_SLOT_ITEMSIZE
