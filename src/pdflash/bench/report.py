@@ -106,6 +106,10 @@ def plot(points: Sequence[PointResult], prefix: Path | str, title: str) -> list[
             ax.plot([fx(p) for p in pts], [fy(p) for p in pts], marker="o", label=config)
         if log_x:
             ax.set_xscale("log", base=2)
+        if name == "throughput":  # resident runs are an order of magnitude faster: log scales
+            ax.set_yscale("log")
+        elif name == "latency":
+            ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=9)
