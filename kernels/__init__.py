@@ -4,7 +4,7 @@ Each kernel has a plain-torch reference beside its Triton implementation; the fu
 exported here dispatch between them (see `pdflash.kernels.dispatch`).
 """
 
-from pdflash.kernels.dispatch import backend, grouped_swiglu, mxfp4_grouped_swiglu, route
+from pdflash.kernels.dispatch import backend, clamped_swiglu, grouped_swiglu, mxfp4_grouped_swiglu, route
 from pdflash.kernels.mxfp4 import (
     mxfp4_expert_layout,
     mxfp4_expert_nbytes,
@@ -17,6 +17,7 @@ from pdflash.kernels.routing import Routing
 __all__ = [
     "Routing",
     "backend",
+    "clamped_swiglu",
     "grouped_swiglu",
     "mxfp4_expert_layout",
     "mxfp4_expert_nbytes",

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from pdflash.kernels.clamped_swiglu import clamped_swiglu_reference, clamped_swiglu_triton
 from pdflash.kernels.grouped_swiglu import grouped_swiglu_reference, grouped_swiglu_torch
 from pdflash.kernels.mxfp4 import mxfp4_grouped_swiglu_reference, mxfp4_grouped_swiglu_triton
 from pdflash.kernels.routing import Routing, route_reference
@@ -87,4 +88,37 @@ def mxfp4_grouped_swiglu(
         gate_bias,
         up_bias,
         down_bias,
+    )
+
+
+def clamped_swiglu(
+    x,
+    routing,
+    gate_up,
+    gate_up_scales,
+    gate_up_bias,
+    down,
+    down_scales,
+    down_bias,
+    slot_of_expert,
+    out,
+    *,
+    limit,
+    alpha,
+) -> None:
+    """gpt-oss's expert MLP; arguments as `clamped_swiglu.clamped_swiglu_reference`."""
+    impl = clamped_swiglu_triton if backend(x.device) == "triton" else clamped_swiglu_reference
+    impl(
+        x,
+        routing,
+        gate_up,
+        gate_up_scales,
+        gate_up_bias,
+        down,
+        down_scales,
+        down_bias,
+        slot_of_expert,
+        out,
+        limit=limit,
+        alpha=alpha,
     )

@@ -11,7 +11,8 @@ A token tile is up to BLOCK_M consecutive assignments of one expert in `sorted_a
 tile table is built on the device with torch ops (no host sync), sized by an upper bound; spare
 programs return at once. Experts whose slot is -1 or that have no tokens get no tiles.
 
-Weights are dense [S, R, C] in x's dtype, or MXFP4 (see `pdflash.kernels.mxfp4`): blocks [S, R, C/32, 16]
+With `clamp` the first stage computes gpt-oss's clamped SwiGLU over interleaved gate/up rows
+instead (`pdflash.kernels.clamped_swiglu`). Weights are dense [S, R, C] in x's dtype, or MXFP4 (see `pdflash.kernels.mxfp4`): blocks [S, R, C/32, 16]
 and scales [S, R, C/32], decoded tile by tile in registers, never written out whole.
 """
 
@@ -93,8 +94,11 @@ def _gate_up_kernel(
     num_experts,
     hidden,
     inter,
+    limit,
+    alpha,
     TOP_K: tl.constexpr,
     MXFP4: tl.constexpr,
+    CLAMPED: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -109,6 +113,10 @@ def _gate_up_kernel(
     slot, rows, row_mask = _tile_rows(expert, tile_start_ptr, offsets_ptr, slot_ptr, BLOCK_M)
     tokens = tl.load(sorted_ptr + rows, mask=row_mask, other=0) // TOP_K  # [BLOCK_M]
     feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of I
+    if CLAMPED:  # gpt-oss: one [S, 2I, ...] gate_up tensor whose rows alternate gate, up
+        gate_rows, up_rows, num_rows = feats * 2, feats * 2 + 1, inter * 2
+    else:
+        gate_rows, up_rows, num_rows = feats, feats, inter
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -118,13 +126,18 @@ def _gate_up_kernel(
             mask=row_mask[:, None] & (ks[None, :] < hidden),
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
-        gate = _weight_tile(gate_ptr, gate_scale_ptr, slot, feats, ks, inter, hidden, MXFP4)
-        up = _weight_tile(up_ptr, up_scale_ptr, slot, feats, ks, inter, hidden, MXFP4)
+        gate = _weight_tile(gate_ptr, gate_scale_ptr, slot, gate_rows, ks, num_rows, hidden, MXFP4)
+        up = _weight_tile(up_ptr, up_scale_ptr, slot, up_rows, ks, num_rows, hidden, MXFP4)
         acc_gate = _dot(h, gate, acc_gate, PRECISION, UPCAST)
         acc_up = _dot(h, up, acc_up, PRECISION, UPCAST)
-    acc_gate = _add_bias(acc_gate, gate_bias_ptr, slot, feats, inter, HAS_GATE_BIAS)
-    acc_up = _add_bias(acc_up, up_bias_ptr, slot, feats, inter, HAS_UP_BIAS)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_N]
+    acc_gate = _add_bias(acc_gate, gate_bias_ptr, slot, gate_rows, num_rows, HAS_GATE_BIAS)
+    acc_up = _add_bias(acc_up, up_bias_ptr, slot, up_rows, num_rows, HAS_UP_BIAS)
+    if CLAMPED:  # (min(up, ±limit) + 1) * glu(min(gate, limit)), glu(g) = g * sigmoid(alpha * g)
+        acc_gate = tl.minimum(acc_gate, limit)
+        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        act = (acc_up + 1) * acc_gate * tl.sigmoid(acc_gate * alpha)  # [BLOCK_M, BLOCK_N]
+    else:
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_N]
     tl.store(
         act_ptr + rows[:, None] * inter + feats[None, :],
         act.to(act_ptr.dtype.element_ty),
@@ -213,8 +226,13 @@ def launch_grouped_swiglu(
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # MXFP4 scales, None = dense
     biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     intermediate_size: int,
+    clamp: tuple[float, float] | None = None,
 ) -> None:
-    """Run both stages on already-checked arguments (see the module docstring)."""
+    """Run both stages on already-checked arguments (see the module docstring).
+
+    `clamp` = (limit, alpha): gpt-oss's clamped SwiGLU; then gate and up (weights and biases) are
+    one tensor each, [S, 2I, ...] with rows alternating gate, up, passed as both.
+    """
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous; got strides {out.stride()}")
     num_tokens, hidden = x.shape
@@ -259,6 +277,9 @@ def launch_grouped_swiglu(
         num_experts,
         hidden,
         intermediate_size,
+        0.0 if clamp is None else clamp[0],
+        0.0 if clamp is None else clamp[1],
+        CLAMPED=clamp is not None,
         HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None,
         BLOCK_N=block_i,

@@ -150,3 +150,21 @@ def test_train_drafter_writes_stats_and_reuses_its_data_cache(capsys, tiny_targe
     assert built == []
     train("--response-tokens", "10")  # a data option: the cache is stale and rebuilt
     assert built == [1]
+
+
+def test_make_tiny_gpt_oss_then_train_a_drafter_on_it(capsys, tmp_path):
+    target = tmp_path / "gpt-oss"
+    assert main(["make-tiny", "--family", "gpt-oss", str(target)]) == 0
+    config = json.loads((target / "config.json").read_text())
+    assert config["model_type"] == "gpt_oss" and config["quantization_config"]["quant_method"] == "mxfp4"
+    assert "<|channel|>" in json.loads((target / "tokenizer_config.json").read_text())["chat_template"]
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 30)
+    argv = ["train-drafter", "--target", str(target), "--data", str(text), "--out", str(tmp_path / "d")]
+    argv += ["--steps", "3", "--sequences", "4", "--prompt-tokens", "8", "--response-tokens", "12", "--anchors", "2"]
+    assert main(argv) == 0, capsys.readouterr().err
+    from pdflash.spec.drafter import load_drafter
+    from pdflash.target.loader import load_target
+
+    drafter = load_drafter(tmp_path / "d", load_target(target).model)
+    assert drafter.config.num_target_layers == config["num_hidden_layers"]

@@ -264,6 +264,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
+    if args.family == "gpt-oss":
+        from pdflash.target.tiny_gpt_oss import write_tiny_gpt_oss
+
+        print(write_tiny_gpt_oss(Path(args.out), seed=args.seed))
+        return 0
     from pdflash.target.tiny import write_tiny_target
 
     print(write_tiny_target(Path(args.out), seed=args.seed))
@@ -424,7 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--data greedily, its tap hidden states condition the drafter, and blocks at random anchors "
         "learn to predict the continuation (position-weighted cross-entropy, AdamW, cosine schedule).",
     )
-    train.add_argument("--target", type=Path, required=True, help="Qwen3-MoE target directory (with tokenizer.json)")
+    train.add_argument(
+        "--target", type=Path, required=True, help="Qwen3-MoE or gpt-oss target directory (with tokenizer.json)"
+    )
     train.add_argument("--data", type=Path, nargs="+", required=True, help="text files to draw prompts from")
     train.add_argument("--out", type=Path, required=True, help="directory to write the drafter checkpoint to")
     train.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default 1)")
@@ -470,8 +477,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=cmd_train_drafter)
 
-    tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen3-MoE checkpoint (for tests and trials)")
+    tiny = sub.add_parser("make-tiny", help="write a tiny random MoE checkpoint (for tests and trials)")
     tiny.add_argument("out", help="directory to write")
+    tiny.add_argument(
+        "--family",
+        choices=("qwen3-moe", "gpt-oss"),
+        default="qwen3-moe",
+        help="qwen3-moe (default) or gpt-oss (MXFP4 experts, harmony chat template)",
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)
     return parser

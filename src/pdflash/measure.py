@@ -5,6 +5,8 @@ Owns the arithmetic only; callers own their clocks and samples.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 def tokens_per_second(tokens: int, first_token_s: float, last_token_s: float) -> float:
     """Decode rate after the first token: (tokens - 1) / (last - first); 0 when undefined."""
@@ -19,3 +21,17 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     permille = round(q * 1000)
     rank = max(1, (permille * len(sorted_values) + 999) // 1000)  # ceil(q * n), exact
     return sorted_values[rank - 1]
+
+
+def overlap_s(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]) -> float:
+    """Seconds two serial timelines were busy at once: each a time-ordered run of disjoint (start, end)."""
+    xs, ys = list(a), list(b)
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        start, end = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, end - start)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total

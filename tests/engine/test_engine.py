@@ -67,20 +67,38 @@ def make_engine(loaded, drafter):
     return make
 
 
+class Claim:
+    def __init__(self, keys):
+        self.keys = tuple(keys)
+
+
 class RecordingProvider:
-    """An expert provider stand-in: nothing resident, prefetches recorded."""
+    """An expert provider stand-in: nothing resident, a cache of every expert, no link; prefetches
+    and their claims recorded."""
+
+    budget_bytes = 10**12
+    link_bytes_per_s = None
 
     def __init__(self):
-        self.prefetched = []
+        self.prefetched, self.claims = [], set()
 
     def prefetch(self, union):
         self.prefetched.append(union)
+        claim = Claim(union)
+        self.claims.add(claim)
+        return claim
+
+    def release(self, claim):
+        self.claims.discard(claim)
 
     def resident(self):
         return frozenset()
 
+    def copy_intervals(self):
+        return []
+
     def stats(self):
-        return {"prefetches": len(self.prefetched)}
+        return {"prefetches": len(self.prefetched), "claims": len(self.claims)}
 
 
 async def collect(stream):
@@ -293,10 +311,10 @@ async def test_an_error_in_one_sequences_round_fails_only_that_request(make_engi
 async def test_a_bug_in_the_step_loop_fails_every_request_and_stops_the_engine(make_engine):
     engine = make_engine()
 
-    def broken_admission():
+    def broken_admission(*args, **kwargs):
         raise RuntimeError("scheduler bug")
 
-    engine._admit_verifies = broken_admission
+    engine.scheduler.tick = broken_admission
     with pytest.raises(ExceptionGroup) as raised:  # the loop's task group re-raises the bug on exit
         async with engine:
             assert engine.running and engine.error is None
@@ -329,7 +347,7 @@ async def test_byte_budget_below_one_rounds_demand_completes_on_the_carried_defi
         stats = await drained(engine)
     assert [ids for ids, _, _ in results] == [reference(p) for p in PROMPTS]
     batches = sum(stats.verify_batch_sizes.values())
-    assert stats.steps > batches, "some ticks admitted nothing and carried their quantum"
+    assert stats.ticks > batches, "some ticks admitted nothing and carried their quantum"
     assert stats.admission_wait_p50_s > 0
 
 

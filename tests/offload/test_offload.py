@@ -233,7 +233,7 @@ def test_cache_stays_in_budget_and_pinned_experts_survive_concurrency(store, con
         raise failures[0]
     stats = provider.stats()
     assert stats["expert_cache_peak_bytes"] <= stats["expert_cache_bytes"]
-    assert sum(t.nbytes for t in (provider.gate, provider.up, provider.down)) <= stats["expert_cache_bytes"]
+    assert sum(t.nbytes for t in provider.arena.values()) <= stats["expert_cache_bytes"]
     assert all(entry.pins == 0 for entry in provider._table.values())
 
 
@@ -291,7 +291,7 @@ def test_on_demand_fetch_overtakes_queued_background_prefetch(store, config):
 def test_route_ahead_prefetch_is_covered_and_claimed(store, config):
     provider = provider_over(store, config, expert_cache_bytes=4 * 3 * 32 * 64 * 4)
     union = [(layer, e) for layer in config.moe_layer_ids for e in (0, 1)]  # 8 keys, 4 slots
-    assert provider.prefetch(union) == 8
+    assert provider.prefetch(union).queued == 8
     assert provider.lane.wait_idle(timeout=10)
     stats = provider.stats()
     assert provider.resident() == set(sorted(union)[:4]), "earliest layers first, and no prefetch evicts its own"

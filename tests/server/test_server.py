@@ -434,13 +434,13 @@ def test_pdflash_serve_process_serves_and_stops_on_sigint(tiny_target, tmp_path)
 def test_health_reports_a_dead_engine_loop(tiny_target):
     engine = AsyncEngine.from_pretrained(tiny_target, None)
 
-    def broken_admission():
+    def broken_admission(*args, **kwargs):
         raise RuntimeError("scheduler bug")
 
     app = create_app(engine, ServerSettings(model_name=MODEL))
     with BackgroundServer(app) as running, httpx.Client(base_url=running.url, timeout=30) as http:
         assert http.get("/health").status_code == 200
-        engine._admit_verifies = broken_admission
+        engine.scheduler.tick = broken_admission
         failed = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
         assert failed.status_code == 500 and "error" in failed.json()
         health = http.get("/health")

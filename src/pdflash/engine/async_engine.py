@@ -1,22 +1,22 @@
-"""The async engine: takes requests, steps every live sequence through its rounds, streams outputs.
+"""The async engine: requests in, one coroutine per sequence stepping through its rounds, outputs out.
 
-Owns the step loop (schedule -> run -> postprocess), backpressure, failure isolation,
-the request API and engine stats. Must not touch: admission arithmetic (pdflash.engine.
-admission, .charging, .scheduler), round algorithms (pdflash.spec), model math, or the
-expert cache; an optional expert provider is only asked to prefetch, to say what is
-resident, and for its stats. Model assembly lives in pdflash.engine.builder.
+Owns the request API, seats (backpressure), each sequence's coroutine (prefill, then draft ->
+register its verify demand -> await admission -> await the verify -> stream, read aloud in
+`_serve`), exits, failure isolation and the stats. Model work runs on lanes (pdflash.engine.
+lanes); admission ticks and batched verifies are the pacer's (pdflash.engine.pacer). Must not
+touch admission arithmetic, round algorithms, model math or the expert cache; model assembly
+is pdflash.engine.builder's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +24,21 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
+import torch
 
 from pdflash.engine.builder import OffloadProvider, build_engine_parts
 from pdflash.engine.config import EngineConfig, EngineStats
-from pdflash.engine.lanes import Lane
+from pdflash.engine.lanes import BatchLane, Isolation, Lane, lane_threads
 from pdflash.engine.outputs import RequestOutput, TextStream
+from pdflash.engine.pacer import DerivedBudgets, VerifyPacer
 from pdflash.engine.requests import prompt_token_ids
 from pdflash.engine.requests import sampling_params as request_sampling_params
 from pdflash.engine.sequence import Sequence, SequenceState
+from pdflash.engine.ticket import AdmissionCancelled, Ticket
 from pdflash.errors import EngineClosedError, EngineOverloadedError
+from pdflash.measure import overlap_s
 from pdflash.sampling import SamplingParams
+from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
 from pdflash.spec.speculator import Speculator
 from pdflash.stopping import StopRule
 from pdflash.target.tokenizer import TextTokenizer
@@ -51,10 +56,18 @@ class _Totals:
     tokens: int = 0
     verify_rounds: int = 0
     verify_tokens: int = 0
-    steps: int = 0
-    prefetch_requests: int = 0
-    prefetch_errors: int = 0
-    verify_batches: Counter = attrs.Factory(Counter)
+
+
+@attrs.define(eq=False)
+class _Running:
+    """What exists only inside `async with`: the lanes, the pacer, the task group."""
+
+    task_group: anyio.abc.TaskGroup
+    target: Lane  # prefill, verify (and drafts without a drafter)
+    drafter: Lane | None  # drafter forwards and route projection, on their own thread
+    prefill: BatchLane[Sequence, SpecSession]
+    draft: BatchLane[Sequence, DraftResult]
+    pacer: VerifyPacer
 
 
 class AsyncEngine:
@@ -72,19 +85,37 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.config = config if config is not None else EngineConfig()
         self.provider = provider
+        self.scheduling = self.config.resolved_scheduling(offloaded=provider is not None)
+        if self.scheduling == "derived" and provider is None:
+            raise ValueError(
+                "scheduling='derived' derives budgets from offloaded experts' link and cache; "
+                "without offloading use 'token-only' or the four fixed budgets"
+            )
+        cache_bytes = provider.budget_bytes if provider is not None else 0
         self.scheduler = self.config.verify_scheduler(
-            speculator.block_size, speculator.expert_nbytes, speculator.target.config.top_k
+            self.scheduling,
+            speculator.block_size,
+            speculator.expert_nbytes,
+            speculator.target.config.top_k,
+            cache_bytes,
         )
+        self._derived = None
+        if self.scheduling == "derived" and provider is not None:
+            self._derived = DerivedBudgets(
+                link_bytes_per_s=provider.link_bytes_per_s,
+                cache_bytes=cache_bytes,
+                token_budget=self.scheduler.budget.tokens,
+            )
         self._seqs: dict[str, Sequence] = {}  # every sequence not yet released, in arrival order
         self._waiting: deque[Sequence] = deque()
         self._totals = _Totals()
         self._ids = itertools.count()
-        self._lane: Lane | None = None  # target and drafter forwards (one thread; its own CUDA stream)
-        self._task_group: anyio.abc.TaskGroup | None = None
-        self._wakeup: anyio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the step loop's, for aborts from the collector
+        self._running: _Running | None = None
+        self._seats_changed = anyio.Event()  # a request arrived or a sequence left
+        self._entered = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the engine's, for aborts from the collector
         self._owned: list[Any] = []  # closed on exit (a provider from_pretrained built)
-        self.error: Exception | None = None  # what stopped the step loop, if a bug did
+        self.error: Exception | None = None  # what stopped the pacer or a lane, if a bug did
 
     @classmethod
     def from_pretrained(
@@ -131,36 +162,68 @@ class AsyncEngine:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncEngine:
-        if self._lane is not None:
+        if self._entered:
             raise EngineClosedError("an engine runs once: create a new one instead of re-entering it")
-        self._lane = Lane("model", self.speculator.target.device)
-        self._loop = asyncio.get_running_loop()
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        await self._task_group.start(self._run)
+        self._entered = True
+        device = self.speculator.target.device
+        target_threads, drafter_threads = lane_threads(
+            torch.get_num_threads(), drafter=self.speculator.drafter is not None
+        )
+        target = Lane("target", device, target_threads)
+        drafter = Lane("drafter", device, drafter_threads) if drafter_threads else None
+        snapshots: Isolation[Sequence] = Isolation(capture=_snapshot, restore=_restore)
+        running = _Running(
+            task_group=anyio.create_task_group(),
+            target=target,
+            drafter=drafter,
+            prefill=BatchLane(
+                target,
+                self._begin_sessions,
+                name="prefill",
+                cost=lambda s: len(s.prompt_ids),
+                max_cost=self.config.prefill_token_budget,
+            ),
+            draft=BatchLane(drafter or target, self._draft_rounds, name="draft", isolation=snapshots),
+            pacer=VerifyPacer(self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs),
+        )
+        self._running, self._loop = running, asyncio.get_running_loop()
+        await running.task_group.__aenter__()
+        for serve in (running.prefill.serve, running.draft.serve, running.pacer.serve, self._seater):
+            await running.task_group.start(self._guarded, serve)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
-        task_group, lane = self._task_group, self._lane
-        if task_group is None or lane is None:
+        running = self._running
+        if running is None:
             return None
         for seq in [s for s in self._seqs.values() if s.live]:
             self._abort(seq)
-        task_group.cancel_scope.cancel()
-        # the body's own error propagates as itself, not wrapped in the loop's ExceptionGroup
+        running.task_group.cancel_scope.cancel()
+        # the body's own error propagates as itself, not wrapped in the engine's ExceptionGroup
         body_error = exc_info[1] is not None and not isinstance(exc_info[1], anyio.get_cancelled_exc_class())
         try:
-            suppress = await task_group.__aexit__(*((None, None, None) if body_error else exc_info))
+            suppress = await running.task_group.__aexit__(*((None, None, None) if body_error else exc_info))
             return None if body_error else suppress
         finally:
-            self._task_group = None
+            self._running = None
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(lane.close)  # a running forward finishes first
+                for lane in (running.target, running.drafter):
+                    if lane is not None:
+                        await anyio.to_thread.run_sync(lane.close)  # a running forward finishes first
             for seq in list(self._seqs.values()):
-                seq.busy = False
                 self._release(seq)
             for owned in self._owned:
                 owned.close()
+
+    async def _guarded(self, serve: Callable[..., Any], *, task_status: anyio.abc.TaskStatus) -> None:
+        """A lane's or the pacer's loop: a bug there (outside any one sequence) fails every request."""
+        try:
+            await serve(task_status=task_status)
+        except Exception as error:
+            self.error = error
+            for seq in [s for s in self._seqs.values() if s.live]:
+                self._fail(seq, error)
+            raise
 
     # -- the request API ---------------------------------------------------------------------
 
@@ -178,7 +241,7 @@ class AsyncEngine:
         """
         if self.error is not None:
             raise EngineClosedError(f"the engine's step loop stopped: {self.error!r}") from self.error
-        if self._task_group is None:
+        if self._running is None:
             raise EngineClosedError("the engine is not running; use it inside `async with engine:`")
         params = request_sampling_params(sampling_params)
         prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.speculator.target.config.vocab_size)
@@ -197,7 +260,7 @@ class AsyncEngine:
         self._seqs[request_id] = seq
         self._waiting.append(seq)
         self._totals.requests += 1
-        self._wake()
+        self._seats_changed.set()  # the seater starts its coroutine when a seat is free
         stream = self._stream(seq)
         # an async generator dropped before its first step never runs its `finally`
         weakref.finalize(stream, self._stream_collected, seq)
@@ -225,7 +288,7 @@ class AsyncEngine:
                 self._abort(seq)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a live request and wait until its KV, demand and pins are released."""
+        """Abort a live request and wait until its KV, demand and cache claims are released."""
         seq = self._seqs.get(request_id)
         if seq is None or not seq.live:
             return False
@@ -235,276 +298,187 @@ class AsyncEngine:
 
     @property
     def running(self) -> bool:
-        """Inside `async with` and the step loop has not died."""
-        return self._task_group is not None and self.error is None
+        """Inside `async with` and neither the pacer nor a lane has died."""
+        return self._running is not None and self.error is None
 
     def stats(self) -> EngineStats:
-        t = self._totals
-        sched = self.scheduler.stats()
+        t, sched, running = self._totals, self.scheduler.stats(), self._running
+        pacer = running.pacer.stats if running is not None else None
+        lanes = [lane for lane in (running.target, running.drafter) if lane is not None] if running else []
+        copies = self.provider.copy_intervals() if self.provider is not None and running is not None else []
         return EngineStats(
             live_sequences=len(self._seqs) - len(self._waiting),
             sequences_by_state=dict(Counter(s.state.value for s in self._seqs.values())),
             waiting=len(self._waiting),
             pending_demands=sched.pending + sched.in_flight,
             kv_bytes=sum(s.kv_bytes for s in self._seqs.values()),
-            claimed_experts=len(frozenset().union(*(s.claimed for s in self._seqs.values()))),
+            claimed_experts=len(frozenset().union(*(s.claim.keys for s in self._seqs.values() if s.claim))),
             requests=t.requests,
             finished=t.finished,
             aborted=t.aborted,
             failed=t.failed,
             generated_tokens=t.tokens,
             verify_rounds=t.verify_rounds,
-            steps=t.steps,
+            scheduling=self.scheduling,
+            ticks=sched.ticks,
+            in_flight_tick_share=pacer.ticks_in_flight / pacer.ticks if pacer and pacer.ticks else 0.0,
             mean_acceptance_length=t.verify_tokens / t.verify_rounds if t.verify_rounds else 0.0,
-            verify_batch_sizes=dict(sorted(t.verify_batches.items())),
+            verify_batch_sizes=dict(sorted(running.pacer.verify_batches.items())) if running else {},
             admission_wait_p50_s=sched.wait_p50_s,
             admission_wait_p99_s=sched.wait_p99_s,
-            model_s=self._lane.busy_s if self._lane is not None else 0.0,
-            prefetch_requests=t.prefetch_requests,
-            prefetch_errors=t.prefetch_errors,
+            model_s=sum(lane.busy_s for lane in lanes),
+            copy_compute_overlap_s=overlap_s(copies, running.target.intervals) if running else 0.0,
+            prefetch_requests=pacer.prefetch_requests if pacer else 0,
+            prefetch_errors=pacer.prefetch_errors if pacer else 0,
             provider=self.provider.stats() if self.provider is not None else None,
         )
 
-    # -- the step loop -----------------------------------------------------------------------
+    # -- one sequence ------------------------------------------------------------------------
 
-    async def _run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+    async def _serve(self, seq: Sequence) -> None:
+        """One sequence, read aloud: prefill; then draft, register the verify, await its admission,
+        await the verify, stream; until it finishes. An abort cancels `seq.scope` at any await."""
+        running = self._running
+        assert running is not None and seq.scope is not None
         try:
-            while True:
-                if not self._has_work():
-                    self._wakeup = anyio.Event()
-                    await self._wakeup.wait()
-                await self._step()
-                await anyio.lowlevel.checkpoint()
-        except Exception as error:  # a bug outside any one sequence: every request learns of it
-            self.error = error
-            for seq in [s for s in self._seqs.values() if s.live]:
-                self._fail(seq, error)
-            raise
-
-    async def _step(self) -> None:
-        """One step: prefill newcomers, draft every DRAFT sequence, admit, prefetch, verify, stream."""
-        self._totals.steps += 1
-        await self._prefill(self._schedule_prefills())
-        await self._draft([s for s in self._seqs.values() if s.state is S.DRAFT])
-        admitted = self._admit_verifies()
-        self._prefetch(admitted)
-        await self._verify(admitted)
-
-    def _schedule_prefills(self) -> list[Sequence]:
-        """Waiting requests in arrival order while live seats and the prefill token budget allow."""
-        batch: list[Sequence] = []
-        tokens = 0
-        room = self.config.max_num_seqs - (len(self._seqs) - len(self._waiting))
-        while self._waiting and len(batch) < room:
-            prompt_tokens = len(self._waiting[0].prompt_ids)
-            if batch and tokens + prompt_tokens > self.config.prefill_token_budget:
-                break
-            seq = self._waiting.popleft()
-            seq.schedule()
-            batch.append(seq)
-            tokens += prompt_tokens
-        return batch
-
-    async def _prefill(self, batch: list[Sequence]) -> None:
-        if not batch:
-            return
-        done = await self._on_lane(self._begin_sessions, batch, lambda s: s, snapshot=False)
-        for seq, session in done:
-            seq.session = session
-        self._settle(batch)
-        for seq, session in done:
+            with seq.scope:
+                seq.session = await running.prefill.submit(seq)
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                if self._stream_round(seq, seq.session.emitted, seq.session.finish_reason, seq.prefilled):
+                    return
+                while True:
+                    draft = await running.draft.submit(seq)
+                    await anyio.lowlevel.checkpoint_if_cancelled()
+                    ticket = self._register(seq, draft)
+                    await ticket.wait()
+                    result = await running.pacer.verified(seq)
+                    await anyio.lowlevel.checkpoint_if_cancelled()
+                    if self._stream_round(seq, result.accepted_ids, result.finish_reason, seq.verified, result):
+                        return
+        except AdmissionCancelled:
+            pass  # its demand was withdrawn: an abort, already accounted
+        except Exception as error:
             if seq.live:
-                with self._isolated(seq):
-                    self._advance(seq, session.emitted, session.finish_reason, seq.prefilled)
+                self._fail(seq, error)
+        finally:
+            self._release(seq)
 
-    def _begin_sessions(self, batch: list[Sequence]) -> list[Any]:  # on the lane
+    def _begin_sessions(self, batch: list[Sequence]) -> list[SpecSession]:  # on the target lane
         return self.speculator.begin_sessions([(s.prompt_ids, s.params) for s in batch], [s.text for s in batch])
 
-    async def _draft(self, batch: list[Sequence]) -> None:
-        if not batch:
-            return
-        done = await self._on_lane(self.speculator.draft_rounds, batch, lambda s: s.session)
-        self._settle(batch)
-        now = time.perf_counter()
-        for seq, draft in done:
-            if seq.live:
-                with self._isolated(seq):
-                    seq.ticket = self.scheduler.register(
-                        seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes
-                    )
-                    seq.draft, seq.drafted_at = draft, now
-                    seq.drafted()
+    def _draft_rounds(self, batch: list[Sequence]) -> list[DraftResult]:  # on the drafter lane
+        return self.speculator.draft_rounds([s.session for s in batch if s.session is not None])
 
-    def _admit_verifies(self) -> list[Sequence]:
-        """One admission tick; every sequence whose ticket is admitted now verifies."""
-        if self.scheduler.pending_count():
-            resident = frozenset(self.provider.resident()) if self.provider is not None else frozenset()
-            # in_flight_union is empty: each step awaits its verify, so no copy of an earlier
-            # tick is still owed when this one charges
-            self.scheduler.tick(resident, frozenset())
-        now = time.perf_counter()
-        admitted = [
-            s for s in self._seqs.values() if s.state is S.VERIFY and s.ticket is not None and s.ticket.admitted
-        ]
-        for seq in admitted:
-            self.scheduler.mark_in_flight(seq.request_id)
-            seq.admission_wait_s += now - seq.drafted_at
-        return admitted
+    def _register(self, seq: Sequence, draft: DraftResult) -> Ticket:
+        """Its pending verify's exact demand goes to the scheduler; the pacer may tick."""
+        ticket = seq.ticket = self.scheduler.register(
+            seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes
+        )
+        seq.draft, seq.drafted_at = draft, time.perf_counter()
+        seq.verify_done, seq.verify_result, seq.verify_error = anyio.Event(), None, None
+        seq.drafted()
+        assert self._running is not None
+        self._running.pacer.changed()
+        return ticket
 
-    def _prefetch(self, admitted: list[Sequence]) -> None:
-        """Route-ahead: ask the provider for the admitted unions before the verify needs them.
-
-        The provider only queues the fetches on its own prefetch thread and claims them; it
-        never blocks this loop. A failed prefetch only means on-demand fetches later.
-        """
-        if not admitted or self.provider is None:
-            return
-        for seq in admitted:
-            seq.claimed = seq.draft.expert_union if seq.draft is not None else frozenset()
-        self._totals.prefetch_requests += 1
-        try:
-            self.provider.prefetch(frozenset().union(*(s.claimed for s in admitted)))
-        except Exception as error:
-            self._totals.prefetch_errors += 1
-            log.warning("route-ahead prefetch failed: %r", error)
-
-    async def _verify(self, batch: list[Sequence]) -> None:
-        if not batch:
-            return
-        self._totals.verify_batches[len(batch)] += 1
-        done = await self._on_lane(self.speculator.verify_rounds, batch, lambda s: s.session)
-        self._settle(batch)
-        for seq, result in done:
-            if seq.live:
-                with self._isolated(seq):
-                    self.scheduler.finish(seq.request_id)
-                    seq.ticket, seq.draft, seq.claimed = None, None, frozenset()
-                    trace = result.trace
-                    seq.acceptance_lengths.append(trace.acceptance_length)
-                    seq.expert_bytes += trace.expert_bytes
-                    seq.fetch_bytes += trace.fetch_bytes
-                    self._totals.verify_rounds += 1
-                    self._totals.verify_tokens += trace.acceptance_length
-                    self._advance(seq, result.accepted_ids, result.finish_reason, seq.verified)
-
-    def _advance(
+    def _stream_round(
         self,
         seq: Sequence,
         token_ids: tuple[int, ...] | list[int],
         finish_reason: str | None,
         next_state: Callable[[], bool],
-    ) -> None:
-        """Stream a round's tokens, then finish the sequence or move it on."""
+        verified: VerifyResult | None = None,
+    ) -> bool:
+        """Account and stream a round's tokens; True when the sequence finished with them."""
+        if verified is not None:
+            trace = verified.trace
+            seq.acceptance_lengths.append(trace.acceptance_length)
+            seq.expert_bytes += trace.expert_bytes
+            seq.fetch_bytes += trace.fetch_bytes
+            self._totals.verify_rounds += 1
+            self._totals.verify_tokens += trace.acceptance_length
+            self._release_claim(seq)
         seq.stream(token_ids, finish_reason)
         self._totals.tokens += len(token_ids)
         if finish_reason is None:
             next_state()
-        else:
-            seq.finish()
-            self._totals.finished += 1
-            self._retire(seq)
+            return False
+        seq.finish()
+        self._totals.finished += 1
+        return True
 
-    # -- the lane and failure isolation ------------------------------------------------------
+    # -- seats and exits ---------------------------------------------------------------------
 
-    async def _on_lane(
-        self,
-        fn: Callable[[list], list],
-        batch: list[Sequence],
-        arg: Callable[[Sequence], Any],
-        *,
-        snapshot: bool = True,
-    ) -> list[tuple[Sequence, Any]]:
-        """Run one batched round on the model lane; if it raises, retry each sequence alone and
-        fail only those that still raise (a batch's error does not say which sequence caused it)."""
-        lane = self._lane
-        if lane is None:
-            raise EngineClosedError("the engine is not running; use it inside `async with engine:`")
-        sessions = [s.session for s in batch] if snapshot and len(batch) > 1 else []
-        snapshots = [session.snapshot() for session in sessions if session is not None]
-        for seq in batch:
-            seq.busy = True
-        try:
-            return list(zip(batch, await lane.run(fn, [arg(s) for s in batch]), strict=True))
-        except Exception as error:
-            if len(batch) == 1:
-                self._fail(batch[0], error)
-                return []
-            log.warning(
-                "a batched %s of %d sequences raised %r; retrying them one by one",
-                getattr(fn, "__name__", "round"),
-                len(batch),
-                error,
-            )
-        done = []
-        for i, seq in enumerate(batch):
-            if snapshots and seq.session is not None:
-                seq.session.restore(snapshots[i])
-            if not seq.live:
-                continue
-            try:
-                done.append((seq, (await lane.run(fn, [arg(seq)]))[0]))
-            except Exception as error:
-                self._fail(seq, error)
-        return done
+    async def _seater(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Hands out seats: wakes when a request arrives or a sequence leaves (tasks start from a task)."""
+        task_status.started()
+        while True:
+            self._seats_changed = anyio.Event()
+            self._seat_waiting()
+            await self._seats_changed.wait()
 
-    @contextlib.contextmanager
-    def _isolated(self, seq: Sequence) -> Iterator[None]:
-        """Postprocessing one sequence: an error fails that sequence only."""
-        try:
-            yield
-        except Exception as error:
-            self._fail(seq, error)
-
-    def _settle(self, batch: list[Sequence]) -> None:
-        """After a lane call: sequences that exited during it can now give back their KV."""
-        for seq in batch:
-            seq.busy = False
-            if not seq.live:
-                self._release(seq)
-
-    # -- exits -------------------------------------------------------------------------------
+    def _seat_waiting(self) -> None:
+        """Start the coroutine of each waiting request while seats remain (arrival order)."""
+        running = self._running
+        while running is not None and self._waiting and len(self._seqs) - len(self._waiting) < self.config.max_num_seqs:
+            seq = self._waiting.popleft()
+            seq.schedule()
+            seq.scope = anyio.CancelScope()
+            running.task_group.start_soon(self._serve, seq, name=f"pdflash-seq-{seq.request_id}")
 
     def _abort(self, seq: Sequence) -> None:
-        if seq.state is S.WAITING:
+        waiting = seq.state is S.WAITING
+        if waiting:
             self._waiting.remove(seq)
         seq.abort()
         seq.close_stream("abort")
         self._totals.aborted += 1
-        self._retire(seq)
+        self._leave(seq)
+        if waiting:
+            self._release(seq)
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         log.error("request %s failed in state %s: %r", seq.request_id, seq.state.value, error)
-        if seq.state is S.WAITING:
+        waiting = seq.state is S.WAITING
+        if waiting:
             self._waiting.remove(seq)
         seq.fail()
         seq.mailbox.fail(error)
         self._totals.failed += 1
-        self._retire(seq)
-
-    def _retire(self, seq: Sequence) -> None:
-        """An exited sequence drops its demand now and its KV as soon as no lane uses it."""
-        self.scheduler.cancel(seq.request_id)
-        if not seq.busy:
+        self._leave(seq)
+        if waiting:
             self._release(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """An exited sequence drops its demand now; its coroutine releases its KV once no lane uses it."""
+        self.scheduler.cancel(seq.request_id)
+        if self._running is not None:
+            self._running.pacer.changed()
+        if seq.scope is not None:
+            seq.scope.cancel()
+
+    def _release_claim(self, seq: Sequence) -> None:
+        if seq.claim is not None and self.provider is not None:
+            self.provider.release(seq.claim)
+        seq.claim = None
 
     def _release(self, seq: Sequence) -> None:
         if seq.released.is_set():
             return
+        self.scheduler.cancel(seq.request_id)
+        self._release_claim(seq)
         if seq.session is not None:
             self.speculator.release(seq.session)
-        seq.ticket, seq.draft, seq.claimed = None, None, frozenset()
+        seq.ticket, seq.draft = None, None
         del self._seqs[seq.request_id]
         seq.released.set()
+        self._seats_changed.set()
 
-    # -- helpers -----------------------------------------------------------------------------
 
-    def _has_work(self) -> bool:
-        running = len(self._seqs) - len(self._waiting)
-        return (bool(self._waiting) and running < self.config.max_num_seqs) or any(
-            s.state is S.DRAFT or s.state is S.VERIFY for s in self._seqs.values()
-        )
+def _snapshot(seq: Sequence) -> Any:
+    return seq.session.snapshot() if seq.session is not None else None
 
-    def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
+
+def _restore(seq: Sequence, snapshot: Any) -> None:
+    if seq.session is not None and snapshot is not None:
+        seq.session.restore(snapshot)

@@ -25,10 +25,17 @@ from pdflash.target.tokenizer import TextTokenizer
 
 
 class OffloadProvider(Protocol):
-    """What the engine asks of an offloaded expert store."""
+    """What the engine asks of an offloaded expert store (pdflash.offload.OffloadedExperts)."""
 
-    def prefetch(self, union: frozenset[ExpertKey]) -> int: ...  # queue route-ahead fetches; never blocks
+    budget_bytes: int  # the device cache's byte budget
+
+    @property
+    def link_bytes_per_s(self) -> float | None: ...  # the link's rate when known (emulated), else None
+
+    def prefetch(self, union: frozenset[ExpertKey]) -> Any: ...  # queue route-ahead fetches, claim them; never blocks
+    def release(self, claim: Any) -> None: ...  # the claims of one prefetch, once its verify ran
     def resident(self) -> frozenset[ExpertKey]: ...
+    def copy_intervals(self) -> list[tuple[float, float]]: ...  # recent (start, end) of its copies
     def stats(self) -> dict: ...
     def close(self) -> None: ...
 

@@ -22,6 +22,7 @@ def _charge_mode(value: ChargeMode | str) -> ChargeMode:
     return ChargeMode.parse(value)
 
 
+SCHEDULING = ("auto", "token-only", "derived", "fixed")
 VERIFY_BUDGETS = ("verify_token_budget", "verify_byte_budget", "verify_token_cap", "verify_byte_cap")
 
 
@@ -38,6 +39,10 @@ class EngineConfig:
     verify_byte_cap: int | None = None  # carried bytes at most; >= one block's largest union
     charge_mode: ChargeMode = attrs.field(default=ChargeMode.MARGINAL, converter=_charge_mode)
     barrier_after: int = 4  # skipped ticks before a demand becomes a barrier (starvation guard)
+    # how verify budgets are set: "fixed" (the four above), "derived" (from the link, the running
+    # verify and the cache: docs/engine.md), "token-only", or "auto": fixed when the four are
+    # given, derived when experts are offloaded, else token-only
+    scheduling: str = "auto"
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_num_seqs", "max_waiting", "prefill_token_budget"):
@@ -49,21 +54,53 @@ class EngineConfig:
         for name in VERIFY_BUDGETS:
             require_int(name, getattr(self, name), optional=True)
         require_int("barrier_after", self.barrier_after, 0)
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling={self.scheduling!r} is not one of {', '.join(map(repr, SCHEDULING))}")
+        if self.scheduling == "fixed" and not given:
+            raise ValueError(f"scheduling='fixed' needs the four verify budgets {list(VERIFY_BUDGETS)}")
+        if self.scheduling in ("token-only", "derived") and given:
+            raise ValueError(
+                f"scheduling={self.scheduling!r} sets its own budgets; the four verify budgets go with 'fixed' "
+                f"(or 'auto'), got {given}"
+            )
+
+    def resolved_scheduling(self, offloaded: bool) -> str:
+        """'fixed', 'derived' or 'token-only': what 'auto' means for an engine with or without offloading."""
+        if self.scheduling != "auto":
+            return self.scheduling
+        if self.verify_byte_budget is not None:
+            return "fixed"
+        return "derived" if offloaded else "token-only"
 
     @property
     def two_dimensional(self) -> bool:
         return self.verify_byte_budget is not None
 
-    def verify_scheduler(self, block_tokens: int, byte_map: Mapping[ExpertKey, int], top_k: int) -> VerifyScheduler:
-        """The verify scheduler these settings describe, after checking that their caps can admit a
-        full block of `block_tokens` (liveness); token-only (no byte budgets): every block fits a tick."""
-        if self.verify_byte_budget is None:
-            budget = self.max_num_seqs * block_tokens
-            return VerifyScheduler(token_budget=budget, token_cap=budget, barrier_after=self.barrier_after)
-        assert self.verify_token_budget and self.verify_token_cap and self.verify_byte_cap  # all four (post-init)
+    def verify_scheduler(
+        self, mode: str, block_tokens: int, byte_map: Mapping[ExpertKey, int], top_k: int, cache_bytes: int = 0
+    ) -> VerifyScheduler:
+        """The verify scheduler of `mode` (see `resolved_scheduling`), after checking that its caps
+        admit a full block of `block_tokens` (liveness). Token-only and derived: a tick's tokens
+        hold every block of every seat; derived: the carry is capped at a cache's worth of bytes
+        (`cache_bytes`, at least one block's largest union) and each tick's bytes are set per tick."""
+        seats = self.max_num_seqs * block_tokens
+        if mode == "token-only":
+            return VerifyScheduler(token_budget=seats, token_cap=seats, barrier_after=self.barrier_after)
         block = f"one verify block of {block_tokens} tokens"
-        require_fits_cap("verify_token_cap", self.verify_token_cap, block_tokens, block)
         largest = largest_block_union_bytes(byte_map, block_tokens, top_k)
+        if mode == "derived":
+            cap = max(cache_bytes, largest)
+            return VerifyScheduler(
+                token_budget=seats,
+                token_cap=seats,
+                byte_budget=cap,
+                byte_cap=cap,
+                barrier_after=self.barrier_after,
+                charge_mode=self.charge_mode,
+                byte_map=byte_map,
+            )
+        assert self.verify_token_budget and self.verify_token_cap and self.verify_byte_cap  # all four (post-init)
+        require_fits_cap("verify_token_cap", self.verify_token_cap, block_tokens, block)
         require_fits_cap(
             "verify_byte_cap", self.verify_byte_cap, largest, f"the largest expert union {block} can route"
         )
@@ -92,12 +129,15 @@ class EngineStats:
     failed: int
     generated_tokens: int  # tokens streamed, all requests
     verify_rounds: int  # per-sequence verify rounds
-    steps: int  # engine steps run
+    scheduling: str  # "fixed" | "derived" | "token-only": how verify budgets were set
+    ticks: int  # admission ticks run (at most one per verify launch while the lane is busy)
+    in_flight_tick_share: float  # share of ticks charged against a non-empty in-flight union
     mean_acceptance_length: float  # tokens emitted per verify round, bonus included
     verify_batch_sizes: dict[int, int]  # sequences per batched verify -> how many such batches
     admission_wait_p50_s: float | None  # verify admission wait (scheduler window)
     admission_wait_p99_s: float | None
-    model_s: float  # time the model lane spent in forwards
+    model_s: float  # time the target and drafter lanes spent in forwards
+    copy_compute_overlap_s: float  # time expert copies ran while the target lane computed
     prefetch_requests: int  # route-ahead prefetches issued
     prefetch_errors: int
     provider: dict | None  # the expert provider's own stats, if it has any

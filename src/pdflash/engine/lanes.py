@@ -1,32 +1,40 @@
 """Executor lanes: the dedicated threads model work runs on, never the event loop.
 
 Owns the threads (one per lane, so work on a lane is serialized in submission order), the
-CUDA stream each lane enters inside every call, and the time each lane spends in calls.
-Must not decide what runs: the engine submits. Speculator sessions are not thread-safe:
-the engine's step runs a session's rounds one after another, never on two lanes at once.
+CUDA stream each lane enters inside every call, each lane's torch thread count, the busy
+intervals it records, and `BatchLane`: what is submitted while a lane is busy is gathered
+and run as one batched call when it frees. Must not decide what runs: the engine submits.
+A session is never on two lanes at once: its own coroutine awaits each round in turn.
 
 CPU threading: torch's OpenMP runtime (libgomp) keeps a team of worker threads for every
 thread that ever ran a parallel region, and once more OpenMP threads exist than CPUs it
 throttles every team's spin-waiting. So model work belongs on lanes only: loading a model on
 the event loop's thread and forwarding on a lane cost 5.4 instead of 3.2 ms per AR step of
 the bundled model on 2 cores. `off_thread` runs such one-off work (loading) on a thread that
-ends with it, and a lane uses the torch thread count of the thread that created it (a
-thread-local OpenMP setting that new threads do not inherit).
+ends with it; each lane gets an explicit thread count (`lane_threads`), so that the target
+and drafter lanes together never ask for more OpenMP threads than the creator had.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
+import anyio
+import anyio.abc
 import attrs
 import torch
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
+INTERVALS = 4096  # busy intervals a lane remembers (stats and tests)
 
 
 def off_thread(fn: Callable[[], T]) -> T:
@@ -40,20 +48,30 @@ def off_thread(fn: Callable[[], T]) -> T:
         return pool.submit(fn).result()
 
 
-class Lane:
-    """One single-thread executor; on CUDA, calls run on the lane's own stream."""
+def lane_threads(total: int, *, drafter: bool) -> tuple[int, int]:
+    """(target lane, drafter lane) torch threads out of `total`: the drafter, when there is one,
+    takes one thread (its forward is a few small layers) and the target the rest, at least one."""
+    if not drafter:
+        return max(1, total), 0
+    return max(1, total - 1), 1
 
-    def __init__(self, name: str, device: torch.device) -> None:
+
+class Lane:
+    """One single-thread executor with its own torch thread count; on CUDA, calls run on its own stream."""
+
+    def __init__(self, name: str, device: torch.device, threads: int | None = None) -> None:
         self.name = name
+        self.threads = threads if threads is not None else torch.get_num_threads()
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=f"pdflash-{name}",
             initializer=torch.set_num_threads,
-            initargs=(torch.get_num_threads(),),
+            initargs=(self.threads,),
         )
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.busy_s = 0.0  # wall time spent inside calls
         self.calls = 0
+        self.intervals: deque[tuple[float, float]] = deque(maxlen=INTERVALS)  # (start, end) perf_counter s
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the lane and await its result (its exception is raised here)."""
@@ -74,33 +92,130 @@ class Lane:
                 self._stream.synchronize()  # results are ready when the loop sees them
             return result
         finally:
-            self.busy_s += time.perf_counter() - started
+            ended = time.perf_counter()
+            self.busy_s += ended - started
             self.calls += 1
+            self.intervals.append((started, ended))
 
     def close(self) -> None:
         """Wait for queued calls to finish and stop the thread."""
         self._executor.shutdown(wait=True)
 
 
-@attrs.define
-class Lanes:
-    verify: Lane  # target forwards: prefill and verify
-    draft: Lane  # drafter forward + route projection; the verify lane's thread (see below)
-    prefetch: Lane  # route-ahead expert copies
+@attrs.define(eq=False)
+class _Job(Generic[T]):
+    item: T
+    done: anyio.Event = attrs.Factory(anyio.Event)
+    started: bool = False
+    result: Any = None
+    error: BaseException | None = None
 
-    @classmethod
-    def create(cls, device: torch.device) -> Lanes:
-        # The step drafts, then verifies, each awaited: a second model thread would sit idle
-        # and the two forwards would only contend for the same cores, so draft shares it.
-        verify = Lane("verify", device)
-        return cls(verify=verify, draft=verify, prefetch=Lane("prefetch", device))
 
-    @property
-    def model_s(self) -> float:
-        """Time spent in model forwards (prefill, draft, projection, verify)."""
-        extra = self.draft.busy_s if self.draft is not self.verify else 0.0
-        return self.verify.busy_s + extra
+@attrs.frozen(kw_only=True)
+class Isolation(Generic[T]):
+    """How a failed batch is retried item by item: rewind each item to before the batch first."""
 
-    def close(self) -> None:
-        for lane in {id(lane): lane for lane in (self.verify, self.draft, self.prefetch)}.values():
-            lane.close()
+    capture: Callable[[T], Any]  # item -> its state before the batch
+    restore: Callable[[T, Any], None]  # (item, that state) -> rewound
+
+
+class BatchLane(Generic[T, R]):
+    """Gathers items submitted while busy and runs `fn(items)` as one call on `lane` when it frees.
+
+    The hand-out is synchronous and cancellation-safe (the ticket scheduler's pattern): a
+    waiter cancelled before its batch starts takes its item back out; one cancelled while its
+    batch runs waits (shielded) for the batch to end, so the caller never frees what the lane
+    is still using. A batch that raises is retried item by item (after `isolation.restore`),
+    so an error reaches only the items that still raise alone.
+    """
+
+    def __init__(
+        self,
+        lane: Lane,
+        fn: Callable[[list[T]], list[R]],
+        *,
+        name: str,
+        isolation: Isolation[T] | None = None,
+        cost: Callable[[T], int] | None = None,
+        max_cost: int | None = None,
+    ) -> None:
+        self.lane, self.name = lane, name
+        self._fn = fn
+        self._isolation = isolation
+        self._cost, self._max_cost = cost, max_cost  # a batch's items at most (the first always fits)
+        self._queue: list[_Job[T]] = []
+        self._wake = anyio.Event()
+        self.batches = 0
+        self.busy = False  # a batch of this lane is running now
+
+    async def submit(self, item: T) -> R:
+        job: _Job[T] = _Job(item)
+        self._queue.append(job)
+        self._wake.set()
+        try:
+            await job.done.wait()
+        except BaseException:
+            if not job.started:
+                self._queue.remove(job)
+            else:
+                with anyio.CancelScope(shield=True):
+                    await job.done.wait()
+            raise
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """The lane's loop (run in the engine's task group): one batched call per wake-up."""
+        task_status.started()
+        while True:
+            while not self._queue:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+            jobs = self._take()
+            for job in jobs:
+                job.started = True
+            self.busy = True
+            try:
+                with anyio.CancelScope(shield=True):  # the thread runs to the end whatever happens here
+                    await self._run(jobs)
+            finally:
+                self.busy = False
+                for job in jobs:
+                    job.done.set()
+
+    def _take(self) -> list[_Job[T]]:
+        """The next batch: queued jobs in order while their cost fits (the first one always does)."""
+        if self._cost is None or self._max_cost is None:
+            jobs, self._queue = self._queue, []
+            return jobs
+        total, count = 0, 0
+        for job in self._queue:
+            total += self._cost(job.item)
+            if count and total > self._max_cost:
+                break
+            count += 1
+        jobs, self._queue = self._queue[:count], self._queue[count:]
+        return jobs
+
+    async def _run(self, jobs: list[_Job[T]]) -> None:
+        items = [job.item for job in jobs]
+        states = [self._isolation.capture(i) for i in items] if self._isolation and len(items) > 1 else None
+        self.batches += 1
+        try:
+            results = await self.lane.run(self._fn, items)
+        except Exception as error:
+            if len(jobs) == 1:
+                jobs[0].error = error
+                return
+            log.warning("a batched %s of %d items raised %r; retrying them one by one", self.name, len(jobs), error)
+            for job, state in zip(jobs, states or [None] * len(jobs), strict=True):
+                if self._isolation is not None:
+                    self._isolation.restore(job.item, state)
+                try:
+                    job.result = (await self.lane.run(self._fn, [job.item]))[0]
+                except Exception as alone:
+                    job.error = alone
+            return
+        for job, result in zip(jobs, results, strict=True):
+            job.result = result

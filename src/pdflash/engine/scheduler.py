@@ -206,6 +206,8 @@ class VerifyScheduler:
         self,
         resident: Set[ExpertKey] = frozenset(),
         in_flight_union: Set[ExpertKey] = frozenset(),
+        *,
+        budget: TokensBytes | None = None,
     ) -> VerifyAdmission:
         """One admission step; synchronous and await-free, run by the engine loop.
 
@@ -214,6 +216,8 @@ class VerifyScheduler:
         first, so a running verify whose union is in neither still pays its missing bytes.
         """
         start = self._clock()
+        if budget is not None:  # derived budgets: this tick's quantum (the caps stay)
+            self.budget = budget
         seated = list(self._in_flight.values())
         waiting = list(self._queue.values())
         charges = self._charges(seated + waiting, resident, in_flight_union)
@@ -234,6 +238,10 @@ class VerifyScheduler:
 
     def pending_count(self) -> int:
         return len(self._queue)
+
+    def admitted_ids(self) -> list[Hashable]:
+        """Demands admitted (by a tick, or by re-assignment after a cancel) and not yet marked in flight."""
+        return list(self._admitted)
 
     @property
     def carried(self) -> TokensBytes:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
@@ -24,8 +24,7 @@ from transitions import Machine
 from pdflash.engine.outputs import OutputMailbox, RequestMetrics, RequestOutput, TextStream
 from pdflash.engine.ticket import Ticket
 from pdflash.sampling import SamplingParams
-from pdflash.spec.session import DraftResult, SpecSession
-from pdflash.target.experts import ExpertKey
+from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
 
 
 class SequenceState(enum.Enum):
@@ -81,9 +80,12 @@ class Sequence:
     drafted_at: float = 0.0  # perf_counter seconds when its pending demand was registered
     admission_wait_s: float = 0.0
     ticket: Ticket | None = None  # admission ticket of its pending verify demand
+    verify_done: anyio.Event = attrs.Factory(anyio.Event)  # its admitted verify ended (a new one per round)
+    verify_result: VerifyResult | None = None  # what that verify returned
+    verify_error: BaseException | None = None  # or what it raised
+    claim: Any = None  # the cache's claim on its prefetched union (released after its verify or exit)
+    scope: anyio.CancelScope | None = None  # its coroutine's, cancelled by an abort
     draft: DraftResult | None = None  # its pending verify's drafted block and projected union
-    claimed: frozenset[ExpertKey] = frozenset()  # route-ahead union the cache keeps for its admitted verify
-    busy: bool = False  # inside a lane call: the session must not be released yet
     released: anyio.Event = attrs.Factory(anyio.Event)  # KV, demand and claims given back
 
     if TYPE_CHECKING:  # the triggers LIFECYCLE.add_model binds onto each instance

@@ -1,6 +1,6 @@
 """Expert offloading: host store → prefetch lane → byte-budgeted device cache, as an ExpertProvider."""
 
-from pdflash.offload.device_cache import ExpertFetchError, OffloadedExperts, OffloadStats
+from pdflash.offload.device_cache import ExpertClaim, ExpertFetchError, OffloadedExperts, OffloadStats
 from pdflash.offload.eviction import POLICIES, make_policy
 from pdflash.offload.host_store import HostExpert, HostExpertStore
 from pdflash.offload.link import Link
@@ -9,6 +9,7 @@ from pdflash.offload.target import load_offloaded_target
 
 __all__ = [
     "POLICIES",
+    "ExpertClaim",
     "ExpertFetchError",
     "HostExpert",
     "HostExpertStore",

@@ -1,6 +1,7 @@
 """The device expert cache: a byte-budgeted slot arena that serves MoE layers their experts in waves.
 
-Owns the arena (gate/up/down slots in the compute dtype on the device), which expert sits in
+Owns the arena (one expert per slot, laid out as the store's `slot_layout` says: Qwen3's
+gate/up/down in the compute dtype, gpt-oss's MXFP4 blocks and scales as stored), which expert sits in
 which slot, pins, eviction, on-demand and prefetch requests to the lane, and the offload
 stats. Implements the `ExpertProvider` protocol (`waves`) and `resident()` (the speculator's
 fetch_bytes). It must not touch model math (the model) or the file format (HostExpertStore).
@@ -19,16 +20,20 @@ import functools
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import attrs
 import torch
 
+from pdflash.kernels.mxfp4 import payload_nbytes
 from pdflash.offload.eviction import make_policy
+from pdflash.offload.gpt_oss_store import GptOssHostExpert, GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpert, HostExpertStore
 from pdflash.offload.link import Link
 from pdflash.offload.prefetch import PrefetchLane, Priority
 from pdflash.target.config import ModelConfig
-from pdflash.target.experts import ExpertKey, ExpertWave
+from pdflash.target.experts import ExpertKey
+from pdflash.target.gpt_oss_config import GptOssConfig
 
 MIN_SLOTS = 2  # one expert being computed while the next one lands
 
@@ -52,9 +57,18 @@ class _Entry:
     state: EntryState = EntryState.LOADING
     pins: int = 0  # waves holding it: never evicted while > 0
     prefetched: bool = False  # brought in by a prefetch and not yet used by a forward
-    claimed: bool = False  # a prefetch wants it kept until a forward next reaches its layer
     loaded: torch.cuda.Event | None = None  # CUDA: the lane's copy into the slot is done
     error: Exception | None = None
+
+
+@attrs.define(eq=False)
+class ExpertClaim:
+    """What one route-ahead prefetch asked the cache to keep: its keys stay claimed (no prefetch
+    evicts them) until `OffloadedExperts.release(claim)`, once the verify that needs them ran."""
+
+    keys: tuple[ExpertKey, ...]  # every key of the prefetched union, resident or queued
+    queued: int  # keys not resident when asked: fetches queued on the lane
+    released: bool = False  # given back (set by release, under the cache's lock)
 
 
 @attrs.define
@@ -101,6 +115,7 @@ class OffloadStats:
     prefetch_fetches: int  # of those, fetched
     prefetch_bytes: int  # byte-map bytes fetched by prefetches
     prefetch_dropped: int  # no slot could be freed for them without evicting pinned or claimed experts
+    claimed_experts: int  # experts some unreleased prefetch claim keeps
     prefetch_coverage: float  # bytes: first uses of prefetched experts / (those + misses)
     prefetch_waste_bytes: int  # prefetched bytes evicted before any forward used them
     fetch_errors: int
@@ -114,8 +129,8 @@ class OffloadedExperts:
 
     def __init__(
         self,
-        store: HostExpertStore,
-        config: ModelConfig,
+        store: HostExpertStore | GptOssHostExpertStore,
+        config: ModelConfig | GptOssConfig,
         *,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
@@ -128,8 +143,8 @@ class OffloadedExperts:
         self.store = store
         self.device = torch.device(device)
         self.num_experts = config.num_experts
-        I, H = config.moe_intermediate_size, config.hidden_size
-        self.slot_bytes = 3 * I * H * dtype.itemsize
+        layout = store.slot_layout(dtype)  # name -> (shape, dtype) of one slot's tensors
+        self.slot_bytes = payload_nbytes(*layout.values())
         self.budget_bytes = _budget_bytes(expert_cache_bytes, expert_cache_fraction, len(store.keys) * self.slot_bytes)
         self.num_slots = min(self.budget_bytes // self.slot_bytes, len(store.keys))
         if self.num_slots < MIN_SLOTS:
@@ -140,29 +155,27 @@ class OffloadedExperts:
             )
         self.policy = make_policy(policy)
         self.link = Link.for_device(self.device, gbps=link_gbps, latency_s=link_latency_s)
+        self.arena = {  # name -> [S, ...]: Qwen3 gate/up/down; gpt-oss MXFP4 blocks, scales, biases
+            name: torch.empty((self.num_slots, *shape), dtype=slot_dtype, device=self.device)
+            for name, (shape, slot_dtype) in layout.items()
+        }
         S = self.num_slots
-        self.gate = torch.empty((S, I, H), dtype=dtype, device=self.device)  # [S, I, H]
-        self.up = torch.empty((S, I, H), dtype=dtype, device=self.device)  # [S, I, H]
-        self.down = torch.empty((S, H, I), dtype=dtype, device=self.device)  # [S, H, I]
         self._cond = threading.Condition()  # guards everything below, the policy and the counters
         self._table: dict[ExpertKey, _Entry] = {}
         self._free = list(range(S - 1, -1, -1))
-        self._claimed: dict[int, set[ExpertKey]] = {}  # layer -> claimed keys
+        self._claims: dict[ExpertKey, int] = {}  # key -> unreleased claims on it
         self._readers: dict[int, list[torch.cuda.Event]] = {}  # CUDA: slot -> compute done with it
         self._counters = _Counters()
         self._closed = False
         self.lane = PrefetchLane(self.device)
 
     # -- the ExpertProvider protocol ---------------------------------------------------------
-    def waves(self, layer: int, union: list[int]) -> Iterator[ExpertWave]:
+    def waves(self, layer: int, union: list[int]) -> Iterator[Any]:
         """Waves covering `union`: what is resident first, the rest as the lane lands it and slots free up."""
         pending = list(dict.fromkeys(union))
         held: list[_Entry] = []  # pinned by this call, not yet computed
         with self._cond:
             self.policy.observe(layer, pending)
-            for key in self._claimed.pop(layer, ()):
-                if key in self._table:
-                    self._table[key].claimed = False
         try:
             while pending or held:
                 wave = self._next_wave(layer, pending, held)
@@ -185,15 +198,15 @@ class OffloadedExperts:
             return frozenset(self._table)
 
     # -- prefetch ------------------------------------------------------------------------------
-    def prefetch(self, union: Iterable[ExpertKey], priority: Priority = Priority.ROUTE_AHEAD) -> int:
-        """Queue fetches of the keys of `union` not resident, earliest layer first; returns how many.
+    def prefetch(self, union: Iterable[ExpertKey], priority: Priority = Priority.ROUTE_AHEAD) -> ExpertClaim:
+        """Queue fetches of the keys of `union` not resident, earliest layer first, and claim them all.
 
-        Resident keys of `union`, and those the lane brings in, are claimed: no prefetch evicts
-        them until a forward reaches their layer (a forward's own misses still may).
+        Claimed keys are not evicted by any prefetch until `release(claim)` (a forward's own
+        misses still may evict them, last among candidates), so the verify that asked finds them.
         """
         if priority is Priority.ON_DEMAND:
             raise ValueError("prefetch priority must be ROUTE_AHEAD or BACKGROUND; ON_DEMAND is a forward's own")
-        keys = sorted(set(union))
+        keys = tuple(sorted(set(union)))
         unknown = [k for k in keys if k not in self.store]
         if unknown:
             raise ValueError(
@@ -202,15 +215,37 @@ class OffloadedExperts:
         queued, requested_at = 0, time.perf_counter()
         with self._cond:
             for key in keys:
-                if key in self._table:
-                    self._claim(self._table[key])
-                else:
+                self._claims[key] = self._claims.get(key, 0) + 1
+                if key not in self._table:
                     self.lane.submit(priority, functools.partial(self._prefetch_job, key, requested_at))
                     queued += 1
             self._counters.prefetch_requests += queued
-        return queued
+        return ExpertClaim(keys=keys, queued=queued)
+
+    def release(self, claim: ExpertClaim) -> None:
+        """Give back a prefetch's claims (its verify ran, or its sequence left); idempotent per claim."""
+        with self._cond:
+            if claim.released:
+                return
+            claim.released = True
+            for key in claim.keys:
+                left = self._claims.get(key, 0) - 1
+                if left > 0:
+                    self._claims[key] = left
+                else:
+                    self._claims.pop(key, None)
+            self._cond.notify_all()
 
     # -- stats ---------------------------------------------------------------------------------
+    @property
+    def link_bytes_per_s(self) -> float | None:
+        """The emulated link's rate; None for a real one (copies take what they take)."""
+        return self.link.gbps * 1e9 if self.link.gbps is not None else None
+
+    def copy_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) perf_counter seconds of the prefetch lane's recent jobs (fetches)."""
+        return list(self.lane.intervals)
+
     def snapshot(self) -> OffloadStats:
         with self._cond:
             c = self._counters
@@ -234,6 +269,7 @@ class OffloadedExperts:
                 prefetch_fetches=c.prefetch_fetches,
                 prefetch_bytes=c.prefetch_bytes,
                 prefetch_dropped=c.prefetch_dropped,
+                claimed_experts=len(self._claims),
                 prefetch_coverage=_ratio(c.prefetch_hit_bytes, c.prefetch_hit_bytes + c.miss_bytes),
                 prefetch_waste_bytes=c.prefetch_waste_bytes,
                 fetch_errors=c.fetch_errors,
@@ -328,10 +364,10 @@ class OffloadedExperts:
                 self._readers.setdefault(entry.slot, []).append(done)
         self._cond.notify_all()
 
-    def _as_wave(self, entries: list[_Entry]) -> ExpertWave:
+    def _as_wave(self, entries: list[_Entry]) -> Any:
         slot_of_expert = torch.full((self.num_experts,), -1, dtype=torch.int64)  # [E]
         slot_of_expert[[e.key[1] for e in entries]] = torch.tensor([e.slot for e in entries])
-        return ExpertWave(slot_of_expert=slot_of_expert.to(self.device), gate=self.gate, up=self.up, down=self.down)
+        return self.store.wave(slot_of_expert.to(self.device), self.arena)
 
     # -- slots (under the lock) ----------------------------------------------------------------
     def _take_slot(self, *, allow_claimed: bool) -> int | None:
@@ -340,11 +376,11 @@ class OffloadedExperts:
             candidates = [
                 e
                 for e in self._table.values()
-                if e.state is EntryState.READY and e.pins == 0 and (allow_claimed or not e.claimed)
+                if e.state is EntryState.READY and e.pins == 0 and (allow_claimed or e.key not in self._claims)
             ]
             if not candidates:
                 return None
-            victim = min(candidates, key=lambda e: (e.claimed, self.policy.score(e.key)))
+            victim = min(candidates, key=lambda e: (e.key in self._claims, self.policy.score(e.key)))
             self._forget(victim)
             self._counters.evictions += 1
             if victim.prefetched:
@@ -355,13 +391,8 @@ class OffloadedExperts:
 
     def _forget(self, entry: _Entry) -> None:
         del self._table[entry.key]
-        self._claimed.get(entry.key[0], set()).discard(entry.key)
         self.policy.forget(entry.key)
         self._free.append(entry.slot)
-
-    def _claim(self, entry: _Entry) -> None:
-        entry.claimed = True
-        self._claimed.setdefault(entry.key[0], set()).add(entry.key)
 
     def _fail(self, entry: _Entry, error: Exception) -> None:
         entry.state, entry.error = EntryState.FAILED, error
@@ -375,7 +406,6 @@ class OffloadedExperts:
             if self._closed:
                 return
             if key in self._table:
-                self._claim(self._table[key])
                 return
             slot = self._take_slot(allow_claimed=False)
             if slot is None:
@@ -385,7 +415,6 @@ class OffloadedExperts:
                 key=key, slot=slot, nbytes=self.store.nbytes(key), requested_at=requested_at, prefetched=True
             )
             self._table[key] = entry
-            self._claim(entry)
         if self._load(entry):
             with self._cond:
                 self._counters.prefetch_fetches += 1
@@ -412,7 +441,7 @@ class OffloadedExperts:
             self._cond.notify_all()
         return True
 
-    def _copy(self, entry: _Entry, host: HostExpert) -> None:
+    def _copy(self, entry: _Entry, host: HostExpert | GptOssHostExpert) -> None:
         slot = entry.slot
         if self.device.type == "cuda":
             with self._cond:
@@ -420,9 +449,8 @@ class OffloadedExperts:
             lane_stream = torch.cuda.current_stream(self.device)
             for done in readers:  # forwards that computed on the slot's previous expert
                 lane_stream.wait_event(done)
-        self.gate[slot].copy_(host.gate, non_blocking=True)
-        self.up[slot].copy_(host.up, non_blocking=True)
-        self.down[slot].copy_(host.down, non_blocking=True)
+        for name, tensor in host.tensors().items():
+            self.arena[name][slot].copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             entry.loaded = torch.cuda.Event()
             entry.loaded.record(torch.cuda.current_stream(self.device))

@@ -18,9 +18,10 @@ import attrs
 import torch
 
 from pdflash.errors import CheckpointError
+from pdflash.kernels.mxfp4 import TensorSpec
 from pdflash.target.checkpoint import EXPERT_PROJECTIONS, Checkpoint, TensorInfo, expert_shapes, expert_tensor_name
 from pdflash.target.config import ModelConfig
-from pdflash.target.experts import ExpertKey
+from pdflash.target.experts import ExpertKey, ExpertWave
 
 
 @attrs.frozen(kw_only=True)
@@ -31,6 +32,10 @@ class HostExpert:
     up: torch.Tensor  # [I, H]
     down: torch.Tensor  # [H, I]
     nbytes: int  # payload bytes as stored (the byte map's entry)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """By the names of the device arena's slot tensors (`HostExpertStore.slot_layout`)."""
+        return {"gate": self.gate, "up": self.up, "down": self.down}
 
 
 class HostExpertStore:
@@ -67,6 +72,17 @@ class HostExpertStore:
 
     def nbytes(self, key: ExpertKey) -> int:
         return self._experts[key].nbytes
+
+    def slot_layout(self, dtype: torch.dtype) -> dict[str, TensorSpec]:
+        """Shape and dtype of each tensor of one device-arena slot: the three projections in `dtype`."""
+        return {
+            "gate": (self.shapes["gate_proj"], dtype),
+            "up": (self.shapes["up_proj"], dtype),
+            "down": (self.shapes["down_proj"], dtype),
+        }
+
+    def wave(self, slot_of_expert: torch.Tensor, arena: dict[str, torch.Tensor]) -> ExpertWave:
+        return ExpertWave(slot_of_expert=slot_of_expert, gate=arena["gate"], up=arena["up"], down=arena["down"])
 
     def _map_expert(self, key: ExpertKey) -> HostExpert:
         tensors = [

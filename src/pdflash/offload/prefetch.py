@@ -13,6 +13,8 @@ import heapq
 import itertools
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 
 import attrs
@@ -42,6 +44,7 @@ class PrefetchLane:
         self._ready = threading.Condition()
         self._closed = False
         self._running = False
+        self.intervals: deque[tuple[float, float]] = deque(maxlen=4096)  # (start, end) of jobs, perf_counter s
         self._thread = threading.Thread(target=self._loop, name="pdflash-prefetch", daemon=True)
         self._thread.start()
 
@@ -66,6 +69,7 @@ class PrefetchLane:
         self._thread.join()
 
     def _loop(self) -> None:
+        torch.set_num_threads(1)  # copies only: no OpenMP team competing with the model lanes
         while True:
             with self._ready:
                 while not self._queue and not self._closed:
@@ -74,6 +78,7 @@ class PrefetchLane:
                     return
                 job = heapq.heappop(self._queue)
                 self._running = True
+            started = time.perf_counter()
             try:
                 if self.stream is None:
                     job.run()
@@ -82,6 +87,7 @@ class PrefetchLane:
                         job.run()
             except Exception:
                 logging.getLogger(__name__).exception("a prefetch lane job raised instead of reporting its error")
+            self.intervals.append((started, time.perf_counter()))
             with self._ready:
                 self._running = False
                 self._ready.notify_all()

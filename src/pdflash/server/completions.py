@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdflash.engine.outputs import RequestOutput
-from pdflash.server import protocol
+from pdflash.server import harmony, protocol
 from pdflash.server.errors import SERVER_ERROR, APIError, from_engine_error, invalid
 from pdflash.server.metrics import RequestTracker
 from pdflash.server.sse import DONE, EventStreamResponse, event, unless_disconnected
@@ -89,6 +89,7 @@ class _Reply:
         self.state, self.request_id, self.created, self.chat = state, request_id, created, chat
         self.model = state.settings.model_name
         self.tracker = RequestTracker(state.metrics)
+        self.harmony = chat and harmony.speaks_harmony(state.engine.tokenizer)  # split channels (gpt-oss)
 
     async def whole(self, stream: AsyncIterator[RequestOutput]) -> dict[str, Any]:
         text, out = [], None
@@ -103,26 +104,33 @@ class _Reply:
         finally:
             await self.state.release(self.request_id)
         m = out.metrics
+        content, reasoning = harmony.split_channels("".join(text)) if self.harmony else ("".join(text), None)
         return protocol.completion_body(
             self.request_id,
             self.model,
             self.created,
             chat=self.chat,
-            text="".join(text),
+            text=content,
             reason=out.finish_reason,
             usage_=protocol.usage(m.prompt_tokens, m.generated_tokens),
             metrics=self.tracker.summary(out),
+            reasoning=reasoning,
         )
 
     async def events(self, stream: AsyncIterator[RequestOutput], *, include_usage: bool) -> AsyncGenerator[str, None]:
         chunk = self._chunk
+        channels = harmony.ChannelSplitter() if self.harmony else None
         async with aclosing(stream):
             if self.chat:
                 yield event(chunk(text="", reason=None, first=True))
             try:
                 async for out in stream:
                     self.tracker.update(out)
-                    if out.text:
+                    if channels is not None:
+                        pieces = channels.feed(out.text) + (channels.finish() if out.finished else [])
+                        for piece in pieces:
+                            yield event(chunk(**_channel_fields(piece), reason=None))
+                    elif out.text:
                         yield event(chunk(text=out.text, reason=None))
                     if out.finished:
                         yield event(chunk(text=None, reason=out.finish_reason, metrics=self.tracker.summary(out)))
@@ -140,3 +148,7 @@ class _Reply:
 
     def _chunk(self, **fields: Any) -> dict[str, Any]:
         return protocol.chunk_body(self.request_id, self.model, self.created, chat=self.chat, **fields)
+
+
+def _channel_fields(piece: harmony.ChannelDelta) -> dict[str, str | None]:
+    return {"text": None, "reasoning": piece.text} if piece.reasoning else {"text": piece.text}

@@ -233,11 +233,14 @@ def completion_body(
     reason: str | None,
     usage_: dict[str, int],
     metrics: dict[str, Any],
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
-    """The whole (non-streamed) response."""
+    """The whole (non-streamed) response; `reasoning` (chat) is the message's `reasoning_content`."""
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            choice["message"]["reasoning_content"] = reasoning
     else:
         choice["text"] = text
     return {
@@ -261,6 +264,7 @@ def chunk_body(
     reason: str | None,
     first: bool = False,
     metrics: dict[str, Any] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk; `first` (chat) carries the assistant role; `metrics` only on the last."""
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
@@ -268,6 +272,8 @@ def chunk_body(
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

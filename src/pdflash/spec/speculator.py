@@ -199,6 +199,10 @@ class Speculator:
             routed_union=actual,
         )
 
+    def union_bytes(self, union: frozenset[ExpertKey]) -> int:
+        """Exact bytes of `union` over the byte map."""
+        return union_bytes(union, self.expert_nbytes)
+
     def release(self, session: SpecSession) -> None:
         """Free the session's caches (finished, aborted or failed)."""
         session.target_cache.release()

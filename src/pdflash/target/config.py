@@ -1,17 +1,21 @@
 """Target model configuration: parses a Qwen3-MoE `config.json` into a frozen value object.
 
-Owns config validation and the per-layer MoE/dense decision; knows nothing of tensors.
+Owns config validation and the per-layer MoE/dense decision, and the choice of family by
+`model_type` (gpt-oss parses in `gpt_oss_config`); knows nothing of tensors.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
 from pdflash.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from pdflash.target.gpt_oss_config import GptOssConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
@@ -33,6 +37,8 @@ class RopeConfig:
 
 @attrs.frozen(kw_only=True)
 class ModelConfig:
+    family: ClassVar[str] = "qwen3_moe"
+
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -110,6 +116,25 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", False)),
             eos_token_ids=eos_ids,
         )
+
+
+FAMILIES = ("qwen3_moe", "gpt_oss")  # model_type values pdflash serves
+
+
+def load_model_config(path: Path) -> ModelConfig | GptOssConfig:
+    """The config of the family `config.json` at `path` names in its `model_type`."""
+    return model_config_from_dict(read_config_json(path, "a Hugging Face model directory"), source=str(path))
+
+
+def model_config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig | GptOssConfig:
+    model_type = raw.get("model_type")
+    if model_type == "gpt_oss":
+        from pdflash.target.gpt_oss_config import GptOssConfig
+
+        return GptOssConfig.from_dict(raw, source)
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+    return ModelConfig.from_dict(raw, source)
 
 
 def read_config_json(path: Path, owner: str) -> dict[str, Any]:

@@ -1,17 +1,26 @@
-"""Builds a `Qwen3MoeModel` from a local Hugging Face directory (config, weights, tokenizer)."""
+"""Builds a target model from a local Hugging Face directory (config, weights, tokenizer).
+
+Qwen3-MoE is built here; gpt-oss in `gpt_oss_loader` (chosen by the config's family).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import attrs
 import torch
 from tqdm import tqdm
 
+from pdflash.target import gpt_oss_layout
 from pdflash.target.checkpoint import Checkpoint, expert_byte_map, expert_shapes, expert_tensor_name
-from pdflash.target.config import ModelConfig
+from pdflash.target.config import ModelConfig, load_model_config
 from pdflash.target.experts import ExpertKey, ExpertProvider, ResidentExperts
+from pdflash.target.gpt_oss import GptOssModel
+from pdflash.target.gpt_oss_config import GptOssConfig
+from pdflash.target.gpt_oss_experts import GptOssExpertProvider
+from pdflash.target.gpt_oss_loader import build_gpt_oss
 from pdflash.target.model import AttentionWeights, LayerWeights, Qwen3MoeModel
 from pdflash.target.tokenizer import TextTokenizer
 
@@ -20,13 +29,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @attrs.frozen(kw_only=True)
 class LoadedTarget:
-    model: Qwen3MoeModel
+    model: Qwen3MoeModel | GptOssModel
     tokenizer: TextTokenizer | None  # None when the directory has no tokenizer.json
     checkpoint: Checkpoint
     expert_nbytes: dict[ExpertKey, int]  # (layer, expert) -> payload bytes as stored
 
 
-ExpertsFactory = Callable[[Checkpoint, ModelConfig, torch.dtype, torch.device], ExpertProvider]
+ExpertsFactory = Callable[
+    [Checkpoint, ModelConfig | GptOssConfig, torch.dtype, torch.device], ExpertProvider | GptOssExpertProvider
+]
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -53,10 +64,21 @@ def load_target(
     directory = Path(directory)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    config = ModelConfig.from_file(directory / "config.json")
+    config = load_model_config(directory / "config.json")
     checkpoint = Checkpoint(directory)
     provider = experts(checkpoint, config, torch_dtype, device) if experts is not None else None
     tokenizer = TextTokenizer(directory, config.vocab_size) if (directory / "tokenizer.json").is_file() else None
+    if isinstance(config, GptOssConfig):
+        gpt_oss = build_gpt_oss(
+            checkpoint,
+            config,
+            dtype=torch_dtype,
+            device=device,
+            experts=cast(GptOssExpertProvider | None, provider),
+            progress=progress,
+        )
+        byte_map = gpt_oss_layout.expert_byte_map(checkpoint, config)
+        return LoadedTarget(model=gpt_oss, tokenizer=tokenizer, checkpoint=checkpoint, expert_nbytes=byte_map)
 
     def load(name: str, *shape: int) -> torch.Tensor:
         return checkpoint.load(name, shape, torch_dtype).to(device)
@@ -110,7 +132,7 @@ def load_target(
         layers=layers,
         final_norm=load("model.norm.weight", H),
         lm_head=lm_head,
-        experts=provider if provider is not None else ResidentExperts(stacks),
+        experts=cast(ExpertProvider, provider) if provider is not None else ResidentExperts(stacks),
     )
     return LoadedTarget(
         model=model, tokenizer=tokenizer, checkpoint=checkpoint, expert_nbytes=expert_byte_map(checkpoint, config)

@@ -45,14 +45,14 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
-def byte_level_tokenizer() -> Tokenizer:
+def byte_level_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Tokenizer:
     """256 byte tokens (GPT-2 byte-to-unicode alphabet), no merges, plus the special tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.add_special_tokens(list(special_tokens))
     return tokenizer
 
 

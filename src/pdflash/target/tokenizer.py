@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2.sandbox
@@ -37,14 +38,21 @@ class TextTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ValueError("this model's tokenizer_config.json has no chat_template; use a plain completion")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now  # the harmony (gpt-oss) template dates its system header
         template = env.from_string(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
 
 def _raise(message: str) -> None:
     raise ValueError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _chat_settings(path: Path) -> tuple[str | None, dict[str, str]]:

@@ -1,0 +1,219 @@
+"""The verify pacer: one admission tick per verify launch, each batch's fetches hidden behind its predecessor.
+
+Owns when ticks run (when the target lane is about to launch a batch and, at most once while
+a batch runs, as soon as new demands wait), the budgets of each tick (fixed, token-only, or
+derived from the link and the running verify), the route-ahead prefetch of every admitted
+verify (one cache claim per sequence), launching each admitted set as ONE batched verify,
+and handing each sequence its result. Must not touch lifecycles: every sequence's own
+coroutine registers its demand, awaits its ticket and then `verified(seq)`.
+
+    lane:   [ verify N           ][ verify N+1          ][ ...
+    tick:   ^ N+1 charged against resident + N's union (in flight)
+    copies: [ N+1's marginal union ][ N+2's ...
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import attrs
+
+from pdflash.engine.admission import TokensBytes
+from pdflash.engine.builder import OffloadProvider
+from pdflash.engine.lanes import Lane
+from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.engine.sequence import Sequence, SequenceState
+from pdflash.spec.session import VerifyResult
+from pdflash.spec.speculator import Speculator
+from pdflash.target.experts import ExpertKey
+
+log = logging.getLogger(__name__)
+EMA_WEIGHT = 0.2  # weight of the newest verify time in the running estimate
+TICK_TIMES = 4096  # tick start times remembered (tests and stats)
+
+
+@attrs.frozen(kw_only=True)
+class DerivedBudgets:
+    """Budgets from the hardware: bytes per tick ≈ what the link moves during the running verify."""
+
+    link_bytes_per_s: float | None  # None: copies are not the bottleneck (no emulated link)
+    cache_bytes: int  # the device cache's budget: bytes the running batch does not hold bound a tick
+    token_budget: int  # tokens per tick (every block of every seat)
+
+    def per_tick(self, verify_s: float | None, held_bytes: int) -> TokensBytes:
+        free = max(1, self.cache_bytes - held_bytes)
+        moved = free if self.link_bytes_per_s is None or verify_s is None else self.link_bytes_per_s * verify_s
+        return TokensBytes(self.token_budget, max(1, min(free, int(moved))))
+
+
+@attrs.define
+class PacerStats:
+    launches: int = 0  # batched verifies launched
+    ticks: int = 0
+    ticks_in_flight: int = 0  # ticks charged against a non-empty in-flight union
+    prefetch_requests: int = 0  # route-ahead prefetches issued (one per admitted verify)
+    prefetch_errors: int = 0
+    verify_s_ema: float | None = None  # running estimate of one batched verify's wall time
+    tick_times: deque[float] = attrs.Factory(lambda: deque(maxlen=TICK_TIMES))  # perf_counter s
+
+
+class VerifyPacer:
+    def __init__(
+        self,
+        scheduler: VerifyScheduler,
+        speculator: Speculator,
+        lane: Lane,
+        provider: OffloadProvider | None,
+        derived: DerivedBudgets | None,
+        seqs: Mapping[str, Sequence],
+    ) -> None:
+        self.scheduler, self.speculator, self.lane = scheduler, speculator, lane
+        self._seqs = seqs  # the engine's live sequences, by request id
+        self.provider, self.derived = provider, derived
+        self.stats = PacerStats()
+        self.verify_batches: dict[int, int] = {}  # sequences per batched verify -> batches
+        self._changed = anyio.Event()  # a demand registered, or a batch ended
+        self._running: list[Sequence] = []  # the batch on the lane now
+        self._next: list[Sequence] = []  # admitted by a tick, prefetching, not yet launched
+
+    def changed(self) -> None:
+        """A sequence registered (or withdrew) a demand: the pacer may tick."""
+        self._changed.set()
+
+    async def verified(self, seq: Sequence) -> VerifyResult:
+        """After its ticket is admitted: wait for the batched verify that includes `seq`.
+
+        Cancelled while that verify runs, it waits (shielded) for it to end, so the caller never
+        releases a session the lane is still using.
+        """
+        try:
+            await seq.verify_done.wait()
+        except BaseException:
+            if seq in self._running:
+                with anyio.CancelScope(shield=True):
+                    await seq.verify_done.wait()
+            raise
+        if seq.verify_error is not None:
+            raise seq.verify_error
+        assert seq.verify_result is not None  # set with verify_done
+        return seq.verify_result
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            batch = [s for s in self._next if s.state is SequenceState.VERIFY]  # aborted ones left
+            self._next = []
+            if not batch:
+                await self._until_demands()
+                batch = self._tick(in_flight_union=frozenset())
+                if not batch:  # nothing fits yet: the carried quantum grows each tick (bounded by the cap)
+                    await anyio.lowlevel.checkpoint()
+                    continue
+            await self._launch(batch)
+
+    async def _until_demands(self) -> None:
+        while not self.scheduler.pending_count() and not self.scheduler.admitted_ids():
+            self._changed = anyio.Event()
+            await self._changed.wait()
+
+    async def _launch(self, batch: list[Sequence]) -> None:
+        """Run `batch` as one verify; meanwhile admit (and prefetch) the next once demands wait."""
+        self._running = batch
+        self.stats.launches += 1
+        self.verify_batches[len(batch)] = self.verify_batches.get(len(batch), 0) + 1
+        union: frozenset[ExpertKey] = frozenset().union(*(s.draft.expert_union for s in batch if s.draft is not None))
+        done = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._verify, batch, done)
+            ticked = False
+            while not done.is_set():
+                if not ticked and self.scheduler.pending_count():
+                    self._next = self._tick(in_flight_union=union)
+                    ticked = True
+                    continue
+                self._changed = anyio.Event()
+                await self._changed.wait()
+        self._running = []
+
+    async def _verify(self, batch: list[Sequence], done: anyio.Event) -> None:
+        started = time.perf_counter()
+        try:
+            with anyio.CancelScope(shield=True):  # the thread runs to the end whatever happens here
+                results = await self._verify_rounds(batch)
+        finally:
+            elapsed = time.perf_counter() - started
+            ema = self.stats.verify_s_ema
+            self.stats.verify_s_ema = elapsed if ema is None else (1 - EMA_WEIGHT) * ema + EMA_WEIGHT * elapsed
+            done.set()
+            self._changed.set()
+        for seq, outcome in zip(batch, results, strict=True):
+            if seq.live:  # an aborted one already withdrew its demand
+                self.scheduler.finish(seq.request_id)
+            if isinstance(outcome, BaseException):
+                seq.verify_error = outcome
+            else:
+                seq.verify_result = outcome
+            seq.verify_done.set()
+
+    async def _verify_rounds(self, batch: list[Sequence]) -> list[VerifyResult | BaseException]:
+        """One batched verify; if it raises, each sequence alone (rewound first), so only culprits fail."""
+        sessions = [s.session for s in batch]
+        snapshots = [session.snapshot() for session in sessions if session is not None] if len(batch) > 1 else []
+        try:
+            return list(await self.lane.run(self.speculator.verify_rounds, sessions))
+        except Exception as error:
+            if len(batch) == 1:
+                return [error]
+            log.warning("a batched verify of %d sequences raised %r; retrying them one by one", len(batch), error)
+        outcomes: list[VerifyResult | BaseException] = []
+        for session, snapshot in zip(sessions, snapshots, strict=True):
+            assert session is not None
+            session.restore(snapshot)
+            try:
+                outcomes.append((await self.lane.run(self.speculator.verify_rounds, [session]))[0])
+            except Exception as error:
+                outcomes.append(error)
+        return outcomes
+
+    # -- a tick ----------------------------------------------------------------------------------
+
+    def _tick(self, in_flight_union: frozenset[ExpertKey]) -> list[Sequence]:
+        """One admission tick: the admitted sequences, their demands seated and their unions prefetched."""
+        self.stats.ticks += 1
+        self.stats.ticks_in_flight += bool(in_flight_union)
+        self.stats.tick_times.append(time.perf_counter())
+        resident = frozenset(self.provider.resident()) if self.provider is not None else frozenset()
+        budget = None
+        if self.derived is not None:
+            held = self.speculator.union_bytes(in_flight_union)
+            budget = self.derived.per_tick(self.stats.verify_s_ema, held)
+        self.scheduler.tick(resident, in_flight_union, budget=budget)
+        # what this tick admitted, and any a cancel's refund re-assigned since the last one
+        admitted = [self._seqs[i] for i in self.scheduler.admitted_ids() if i in self._seqs]
+        now = time.perf_counter()
+        for seq in admitted:
+            self.scheduler.mark_in_flight(seq.request_id)
+            seq.admission_wait_s += now - seq.drafted_at
+            if self.provider is not None and seq.draft is not None:
+                seq.claim = self._prefetch(seq.draft.expert_union)
+        return admitted
+
+    def _prefetch(self, union: frozenset[ExpertKey]) -> Any:
+        """Route-ahead: the provider queues the copies on its own thread and claims them; never blocks."""
+        assert self.provider is not None
+        self.stats.prefetch_requests += 1
+        try:
+            return self.provider.prefetch(union)
+        except Exception as error:  # a failed prefetch only means on-demand fetches later
+            self.stats.prefetch_errors += 1
+            log.warning("route-ahead prefetch failed: %r", error)
+            return None
