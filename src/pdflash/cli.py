@@ -1,4 +1,4 @@
-"""The `pdflash` command line: generate, serve, train-drafter, make-tiny.
+"""The `pdflash` command line: generate, serve, bench, simulate, train-drafter, make-tiny.
 
 A user error is one line on stderr (`pdflash: ...`) and a distinct exit code (the EXIT_*
 constants, listed in docs/cli.md); Ctrl+C and a closed stdout end quietly.
@@ -16,6 +16,7 @@ from pathlib import Path
 import attrs
 
 import pdflash
+from pdflash.bench.commands import register_subcommands as register_bench_subcommands
 from pdflash.bundled import default_drafter, default_target
 from pdflash.chat.families import FAMILIES
 from pdflash.errors import CheckpointError
@@ -584,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     _add_serve_parser(sub)
+    register_bench_subcommands(sub)
 
     train = sub.add_parser(
         "train-drafter",

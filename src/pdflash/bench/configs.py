@@ -1,0 +1,57 @@
+"""The configurations a sweep compares (B0-B3 of BENCHMARKS.md) and the 2-D budgets B2 uses.
+
+Owns the names `--configs` accepts and what each means for an engine or a simulation
+(drafter or not, offloaded or resident, token-only or 2-D verify budgets). Later modes add
+entries here. Must not build engines: runners read these values.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class BenchConfig:
+    name: str  # what --configs and every table call it
+    label: str  # the baseline it is (BENCHMARKS.md)
+    speculative: bool  # DFlash drafter on (else autoregressive, a block of 1)
+    offloaded: bool  # experts behind the device cache and the (emulated) link
+    two_dimensional: bool  # verify admission by tokens and expert bytes (else token-only)
+
+
+CONFIGS = {
+    c.name: c
+    for c in (
+        BenchConfig(name="ar", label="B0", speculative=False, offloaded=True, two_dimensional=False),
+        BenchConfig(name="dflash-token", label="B1", speculative=True, offloaded=True, two_dimensional=False),
+        BenchConfig(name="dflash-2d", label="B2", speculative=True, offloaded=True, two_dimensional=True),
+        BenchConfig(name="resident", label="B3", speculative=True, offloaded=False, two_dimensional=False),
+    )
+}
+ALIASES = {c.label.lower(): c.name for c in CONFIGS.values()}
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    """`ar,dflash-2d` or `b0,b2` (comma-separated) -> configurations, in the order given."""
+    chosen = []
+    for raw in text.split(","):
+        key = ALIASES.get(raw.strip().lower(), raw.strip().lower())
+        if key not in CONFIGS:
+            valid = ", ".join(f"{c.name} ({c.label})" for c in CONFIGS.values())
+            raise ValueError(f"--configs: {raw.strip()!r} is not a configuration; valid: {valid}")
+        chosen.append(CONFIGS[key])
+    return chosen
+
+
+def two_d_budgets(*, max_num_seqs: int, block_size: int, cache_bytes: int, largest_union_bytes: int) -> dict:
+    """B2's verify budgets: every live block's tokens per tick, and per tick as many marginal
+    expert bytes as the device cache holds (carry up to twice that, at least one block's
+    largest union, so every demand stays admissible)."""
+    tokens = max_num_seqs * block_size
+    byte_budget = max(1, cache_bytes)
+    return {
+        "verify_token_budget": tokens,
+        "verify_token_cap": tokens,
+        "verify_byte_budget": byte_budget,
+        "verify_byte_cap": max(largest_union_bytes, 2 * byte_budget),
+    }

@@ -1,0 +1,206 @@
+"""Where the simulator's expert routing comes from: traces recorded from the engine, or a stated model.
+
+Owns the routing-trace file format (`pdflash bench --record-routing FILE`), the recorder
+that fills it from a running engine's speculator, trace replay, and the Zipf model
+(per-layer Zipf popularity with exponent s, per-sequence temporal locality rho). Every source
+answers the same two questions: which experts a sequence's prefill routes, and for its
+k-th round which experts its block routes, which were projected and how many tokens it
+commits. Must not touch caches, links or scheduling.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+import numpy as np
+
+from pdflash.spec.projection import routed_union
+from pdflash.target.experts import ExpertKey
+
+Union = frozenset[ExpertKey]
+
+
+@attrs.frozen(kw_only=True)
+class Round:
+    tokens: int  # verify block length
+    acceptance_length: int  # tokens committed, bonus included
+    actual: Union  # experts the verify routed
+    projected: Union  # experts the route projection predicted
+
+
+class RoutingSource(Protocol):
+    @property
+    def description(self) -> str: ...
+
+    def prefill_union(self, seq: int, prompt_tokens: int) -> Union: ...
+
+    def round(self, seq: int, index: int, tokens: int) -> Round: ...
+
+
+def _keys(pairs) -> Union:
+    return frozenset((int(layer), int(expert)) for layer, expert in pairs)
+
+
+@attrs.frozen
+class TraceRouting:
+    """Replays recorded sequences: simulated sequence i follows recorded sequence i mod n."""
+
+    sequences: tuple[dict, ...]  # {"prompt_tokens", "prefill_union", "rounds": [...]} as recorded
+    description: str = "replayed trace"
+
+    @classmethod
+    def load(cls, path: Path | str, kind: str) -> TraceRouting:
+        """The `kind` ("autoregressive" or "speculative") trace of a --record-routing file (.gz too)."""
+        raw = Path(path).read_bytes()
+        data = json.loads(gzip.decompress(raw) if Path(path).suffix == ".gz" else raw)
+        traces = data.get("traces", {})
+        if kind not in traces or not traces[kind]["sequences"]:
+            raise ValueError(f"{path}: no {kind!r} trace recorded (it has {sorted(traces)})")
+        return cls(tuple(traces[kind]["sequences"]), f"replayed {kind} trace from {Path(path).name}")
+
+    def prefill_union(self, seq: int, prompt_tokens: int) -> Union:
+        return _keys(self.sequences[seq % len(self.sequences)]["prefill_union"])
+
+    def round(self, seq: int, index: int, tokens: int) -> Round:
+        rounds = self.sequences[seq % len(self.sequences)]["rounds"]
+        r = rounds[index % len(rounds)]
+        return Round(
+            tokens=tokens,
+            acceptance_length=min(tokens, r["acceptance_length"]),
+            actual=_keys(r["actual"]),
+            projected=_keys(r["projected"]),
+        )
+
+    def output_tokens(self, seq: int) -> int:
+        """Tokens the recorded request emitted (it may have stopped before max_tokens)."""
+        return 1 + sum(r["acceptance_length"] for r in self.sequences[seq % len(self.sequences)]["rounds"])
+
+    def prompt_tokens(self) -> list[int]:
+        return [s["prompt_tokens"] for s in self.sequences]
+
+    def acceptance_lengths(self) -> list[int]:
+        return [r["acceptance_length"] for s in self.sequences for r in s["rounds"]]
+
+
+class ZipfRouting:
+    """Per-layer Zipf popularity (exponent s, a seeded random expert order per layer); each
+    token keeps the previous token's experts at a layer with probability `locality`, else
+    draws top-k without replacement by popularity. Projection is taken as exact. Acceptance
+    lengths are drawn from `acceptance` (a recorded distribution). Deterministic per (seed, sequence)."""
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        experts: int,
+        top_k: int,
+        exponent: float,
+        locality: float,
+        acceptance: Sequence[int],
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= locality < 1.0:
+            raise ValueError(f"routing locality must be in [0, 1), got {locality}")
+        if exponent < 0:
+            raise ValueError(f"Zipf exponent must be >= 0, got {exponent}")
+        if not acceptance or min(acceptance) < 1:
+            raise ValueError("the acceptance-length distribution must be non-empty, each length >= 1")
+        self.layers, self.experts, self.top_k, self.locality, self.seed = layers, experts, top_k, locality, seed
+        self.acceptance = np.asarray(acceptance, dtype=np.int64)
+        order = np.random.default_rng(seed).permuted(np.tile(np.arange(experts), (layers, 1)), axis=1)
+        weights = 1.0 / np.arange(1, experts + 1) ** exponent
+        self.log_p = np.empty((layers, experts))  # [L, E]
+        np.put_along_axis(self.log_p, order, np.log(weights / weights.sum()), axis=1)
+        self.description = f"Zipf routing s={exponent:g}, locality {locality:g}, seed {seed}"
+        self._state: dict[int, tuple[np.random.Generator, np.ndarray | None]] = {}
+
+    def _draw(self, seq: int, n: int) -> np.ndarray:
+        """[n, L, k] expert ids of the sequence's next n tokens."""
+        rng, last = self._state.get(seq) or (np.random.default_rng((self.seed, seq)), None)
+        gumbel = rng.gumbel(size=(n, self.layers, self.experts))
+        fresh = np.argpartition(-(self.log_p + gumbel), self.top_k - 1, axis=-1)[..., : self.top_k]  # [n, L, k]
+        keep = rng.random((n, self.layers)) < self.locality  # [n, L]
+        for t in range(n):
+            if last is not None:
+                fresh[t][keep[t]] = last[keep[t]]
+            last = fresh[t]
+        self._state[seq] = (rng, last)
+        return fresh
+
+    def _union(self, ids: np.ndarray) -> Union:
+        layers = np.broadcast_to(np.arange(self.layers)[None, :, None], ids.shape)
+        return frozenset(zip(layers.ravel().tolist(), ids.ravel().tolist(), strict=True))
+
+    def prefill_union(self, seq: int, prompt_tokens: int) -> Union:
+        return self._union(self._draw(seq, prompt_tokens))
+
+    def round(self, seq: int, index: int, tokens: int) -> Round:
+        union = self._union(self._draw(seq, tokens))
+        rng = self._state[seq][0]
+        accepted = int(self.acceptance[rng.integers(len(self.acceptance))])
+        return Round(tokens=tokens, acceptance_length=min(tokens, accepted), actual=union, projected=union)
+
+
+class RoutingRecorder:
+    """Records every session's prefill union and rounds from a live engine's speculator.
+
+    It wraps three methods of that one speculator instance (the target's forward, to see each
+    committed forward's routing; begin_sessions; verify_rounds); nothing else changes."""
+
+    def __init__(self, speculator) -> None:
+        self.records: dict[object, dict] = {}  # session -> its record, in order of prefill
+        self._last = None
+        target, layers = speculator.target, speculator.target.config.moe_layer_ids
+        forward, begin, verify = target.forward, speculator.begin_sessions, speculator.verify_rounds
+
+        def recording_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            if not kwargs.get("skip_experts") and kwargs.get("commit", True):
+                self._last = out
+            return out
+
+        def recording_begin(*args, **kwargs):
+            sessions = begin(*args, **kwargs)
+            assert self._last is not None  # begin_sessions ran one committed forward
+            for s, routed in zip(sessions, self._last.split(self._last.routed), strict=True):
+                self.records[s] = {
+                    "prompt_ids": list(s.prompt_ids),
+                    "prompt_tokens": len(s.prompt_ids),
+                    "prefill_union": sorted(routed_union(routed, layers)),
+                    "rounds": [],
+                }
+            return sessions
+
+        def recording_verify(sessions, *args, **kwargs):
+            projected = [s.pending.expert_union for s in sessions]
+            results = verify(sessions, *args, **kwargs)
+            for s, union in zip(sessions, projected, strict=True):
+                trace = s.trace[-1]
+                self.records[s]["rounds"].append(
+                    {
+                        "tokens": trace.tokens,
+                        "acceptance_length": trace.acceptance_length,
+                        "actual": sorted(s.last_union),
+                        "projected": sorted(union),
+                    }
+                )
+            return results
+
+        target.forward = recording_forward
+        speculator.begin_sessions = recording_begin
+        speculator.verify_rounds = recording_verify
+
+    def sequences(self) -> list[dict]:
+        """Every recorded session (one that stopped at its first token has no rounds)."""
+        return list(self.records.values())
+
+
+def write_traces(path: Path | str, traces: dict[str, list[dict]], meta: dict) -> None:
+    """Write {"meta": ..., "traces": {kind: {"sequences": [...]}}} (kind: autoregressive | speculative)."""
+    body = {"meta": meta, "traces": {kind: {"sequences": seqs} for kind, seqs in traces.items()}}
+    Path(path).write_text(json.dumps(body))

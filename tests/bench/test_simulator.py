@@ -1,0 +1,168 @@
+"""The simulator: the closed form of one sequence without cache hits, determinism under a seed,
+the Zipf routing model, the real scheduler's 2-D admission, and the `simulate --json` contract."""
+
+import json
+import math
+
+import attrs
+import pytest
+
+from pdflash import cli
+from pdflash.bench.configs import CONFIGS, parse_configs
+from pdflash.bench.profiles import get_profile
+from pdflash.bench.routing import Round, ZipfRouting
+from pdflash.bench.simulator import SimSetup, simulate_closed_loop
+
+LAYERS, EXPERTS, EXPERT_BYTES = 3, 64, 1_000_000
+
+
+@attrs.frozen
+class ConstantCosts:
+    """A cost model double: fixed seconds per phase, to check the simulator's own arithmetic."""
+
+    prefill: float = 0.010
+    draft: float = 0.004
+    verify_dense: float = 0.002
+    verify_experts: float = 0.004
+    step: float = 0.001
+    description: str = "constant"
+
+    def prefill_s(self, tokens, seqs, experts, *, offloaded):
+        return self.prefill, 0.0
+
+    def draft_s(self, seqs, tokens, context, *, speculative, router):
+        return self.draft
+
+    def verify_s(self, tokens, seqs, experts, *, offloaded):
+        return self.verify_dense, self.verify_experts
+
+    def step_s(self, seqs):
+        return self.step
+
+
+@attrs.frozen
+class FreshExperts:
+    """A routing double: round k routes expert k at every layer (never seen before: no hits),
+    nothing is projected (no prefetch), and every round commits `tau` tokens."""
+
+    tau: int
+    description: str = "fresh experts"
+
+    def prefill_union(self, seq, prompt_tokens):
+        return frozenset()
+
+    def round(self, seq, index, tokens):
+        return Round(
+            tokens=tokens,
+            acceptance_length=min(tokens, self.tau),
+            actual=frozenset((layer, index) for layer in range(LAYERS)),
+            projected=frozenset(),
+        )
+
+
+def _setup(config, costs, routing, **overrides):
+    byte_map = {(layer, e): EXPERT_BYTES for layer in range(LAYERS) for e in range(EXPERTS)}
+    values = dict(
+        config=CONFIGS[config],
+        costs=costs,
+        routing=routing,
+        byte_map=byte_map,
+        moe_layers=tuple(range(LAYERS)),
+        block_size=8,
+        cache_slots=LAYERS * EXPERTS,
+        link_bytes_per_s=1e9,
+        max_num_seqs=4,
+    )
+    return SimSetup(**values | overrides)
+
+
+@pytest.mark.parametrize("config, tau", [("ar", 1), ("dflash-token", 3)])
+def test_one_sequence_without_cache_hits_equals_the_arithmetic(config, tau):
+    costs, max_tokens = ConstantCosts(), 40
+    result = simulate_closed_loop(
+        _setup(config, costs, FreshExperts(tau)), [16], concurrency=1, requests_per_client=1, max_tokens=max_tokens
+    )
+    rounds = math.ceil((max_tokens - 1) / tau)  # the prefill emits the first token
+    fetch_s = EXPERT_BYTES / 1e9  # one expert per layer per round, fetched on demand, serially
+    # each layer runs its attention, then asks for its expert, waits for it and computes it
+    verify_s = costs.verify_dense + LAYERS * fetch_s + costs.verify_experts
+    wall_s = rounds * costs.step + costs.prefill + rounds * (costs.draft + verify_s)
+    assert result.wall_s == pytest.approx(wall_s)
+    assert result.ms_per_token == pytest.approx(1e3 * wall_s / max_tokens)
+    assert result.tokens == max_tokens
+    assert result.bytes_per_token == pytest.approx(rounds * LAYERS * EXPERT_BYTES / max_tokens)
+    assert result.hit_rate == 0.0
+    assert result.exposed_fetch_share == pytest.approx(rounds * LAYERS * fetch_s / wall_s)
+    assert result.tau == pytest.approx((max_tokens - 1) / rounds)  # the last round is clipped
+
+
+def _zipf_point(seed, config="dflash-2d", concurrency=4):
+    p = get_profile("qwen3-30b-a3b@h200-pcie5")
+    routing = ZipfRouting(
+        layers=LAYERS, experts=EXPERTS, top_k=4, exponent=0.8, locality=0.3, acceptance=[1, 2, 3, 5, 8], seed=seed
+    )
+    from pdflash.bench.costs import RooflineCosts
+
+    budgets = {
+        "verify_token_budget": 32,
+        "verify_token_cap": 32,
+        "verify_byte_budget": 40 * EXPERT_BYTES,
+        "verify_byte_cap": LAYERS * 32 * EXPERT_BYTES,
+    }
+    setup = _setup(config, RooflineCosts(p), routing, cache_slots=80, budgets=budgets)
+    return simulate_closed_loop(setup, [64] * 8, concurrency=concurrency, requests_per_client=2, max_tokens=24)
+
+
+def test_the_simulation_is_deterministic_under_a_seed():
+    first, again, other = _zipf_point(seed=3), _zipf_point(seed=3), _zipf_point(seed=4)
+    assert first.as_dict() == again.as_dict()
+    assert (first.bytes_per_token, first.wall_s) != (other.bytes_per_token, other.wall_s)
+
+
+def test_a_byte_budget_smaller_than_a_batch_splits_verifies_across_ticks():
+    token_only, two_d = _zipf_point(seed=0, config="dflash-token"), _zipf_point(seed=0, config="dflash-2d")
+    assert two_d.admission_wait_p99_ms > token_only.admission_wait_p99_ms  # some blocks waited a tick
+    assert two_d.tokens == token_only.tokens
+
+
+def test_zipf_routing_draws_top_k_distinct_experts_skewed_by_popularity():
+    routing = ZipfRouting(layers=2, experts=32, top_k=4, exponent=1.2, locality=0.0, acceptance=[1], seed=0)
+    ids = routing._draw(seq=0, n=4000)  # [n, L, k]
+    assert all(len(set(token_layer)) == 4 for token_layer in ids.reshape(-1, 4).tolist())
+    counts = sorted((ids[:, 0, :] == e).sum() for e in range(32))
+    assert counts[-1] > 5 * counts[0]  # the most popular expert of a layer beats the least by far
+    flat = ZipfRouting(layers=1, experts=32, top_k=4, exponent=0.0, locality=0.0, acceptance=[1], seed=0)
+    flat_counts = sorted((flat._draw(seq=0, n=4000) == e).sum() for e in range(32))
+    assert flat_counts[-1] < 1.3 * flat_counts[0]  # s = 0 is uniform
+
+
+def test_bad_configs_name_the_value():
+    with pytest.raises(ValueError, match=r"'b9' is not a configuration; valid: ar \(B0\)"):
+        parse_configs("ar,b9")
+    assert [c.name for c in parse_configs("b0,dflash-2d")] == ["ar", "dflash-2d"]
+
+
+def test_simulate_json_contract(capsys):
+    argv = "simulate --profile qwen3-30b-a3b@h200-pcie5 --configs ar --concurrency 1"
+    code = cli.main(
+        [*argv.split(), "--expert-cache-bytes", str(24 * 10**9), "--json", "--max-tokens", "8", "--min-requests", "1"]
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    first = report["results"][0]
+    assert (first["config"], first["concurrency"]) == ("ar", 1)
+    assert first["ms_per_token"] > get_profile("qwen3-30b-a3b@h200-pcie5").ar_step_s * 1e3
+    assert report["regime_ratio"] == pytest.approx(get_profile("qwen3-30b-a3b@h200-pcie5").regime_ratio)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--concurrency", "0"], "--concurrency=0 is invalid: it must be >= 1"),
+        (["--expert-cache-bytes", "1000"], "--expert-cache-bytes=1000 holds 0 experts of 9,437,184 bytes"),
+        (["--configs", "b7"], "'b7' is not a configuration"),
+    ],
+)
+def test_bad_simulate_flags_exit_2_naming_the_value(capsys, argv, named):
+    assert cli.main(["simulate", "--configs", "ar", "--concurrency", "1", *argv]) == 2
+    assert named in capsys.readouterr().err
