@@ -1,0 +1,169 @@
+"""The pipelined engine: what overlaps with what, when ticks happen, and what an abort leaves behind.
+
+Lanes run the real model on the tiny checkpoint; the only doubles are timing ones (a round
+wrapped to take a little longer, or to wait on a gate) and, where a test needs to count
+claims, a provider stand-in. Timelines come from the lanes' own busy intervals.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+from engine_cases import collect, drained, run_all
+from test_engine import GREEDY, PROMPTS, RecordingProvider
+
+from pdflash.engine.async_engine import AsyncEngine
+from pdflash.engine.config import EngineConfig
+from pdflash.measure import overlap_s
+from pdflash.sampling import SamplingParams
+from pdflash.spec.speculator import Speculator
+
+LONG = SamplingParams(max_tokens=24)
+
+
+async def run_staggered(engine, first, second, gap_s=0.03):
+    """`second` arrives `gap_s` after `first`: two groups out of step (as arrivals are in service)."""
+    results = {}
+
+    async def group(name, prompts, delay):
+        await anyio.sleep(delay)
+        results[name] = await run_all(engine, [(p, LONG) for p in prompts])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(group, "first", first, 0.0)
+        tg.start_soon(group, "second", second, gap_s)
+    return [ids for ids, _, _ in results["first"] + results["second"]]
+
+
+def slowed(fn, seconds, record=None):
+    """`fn` taking at least `seconds` longer (a timing double); its (start, end) appended to `record`."""
+
+    def slow(*args):
+        started = time.perf_counter()
+        result = fn(*args)
+        time.sleep(seconds)
+        if record is not None:
+            record.append((started, time.perf_counter()))
+        return result
+
+    return slow
+
+
+@pytest.mark.asyncio
+async def test_one_group_drafts_while_the_other_verifies(make_engine, reference):
+    async with make_engine() as engine:
+        spec = engine.speculator
+        spec.verify_rounds = slowed(spec.verify_rounds, 0.02)
+        spec.draft_rounds = slowed(spec.draft_rounds, 0.02)
+        results = await run_staggered(engine, PROMPTS, PROMPTS[::-1])
+        running = engine._running
+        assert running is not None and running.drafter is not None
+        both = overlap_s(running.drafter.intervals, running.target.intervals)
+        stats = await drained(engine)
+    assert results == [reference(p, LONG) for p in PROMPTS + PROMPTS[::-1]]
+    assert both > 0.05, f"drafts and verifies overlapped for only {both:.3f} s"
+    assert stats.model_s > 0
+
+
+@pytest.mark.asyncio
+async def test_the_next_batch_is_admitted_against_the_running_union_and_fetched_meanwhile(
+    loaded, drafter, tiny_target, offloaded, reference
+):
+    target = offloaded(expert_cache_fraction=0.25, link_gbps=0.05)
+    spec = Speculator(target.model, drafter, expert_nbytes=target.expert_nbytes, resident=target.model.experts.resident)
+    spec.verify_rounds = slowed(spec.verify_rounds, 0.03)
+    engine = AsyncEngine(spec, loaded.tokenizer, EngineConfig(), provider=target.model.experts)
+    async with engine:
+        results = await run_staggered(engine, PROMPTS, PROMPTS[::-1])
+        stats = await drained(engine)
+    assert results == [reference(p, LONG) for p in PROMPTS + PROMPTS[::-1]]
+    assert stats.scheduling == "derived"
+    assert stats.in_flight_tick_share > 0, "some tick charged against the running batch's union"
+    assert stats.copy_compute_overlap_s > 0, "expert copies ran while the target computed"
+    assert stats.provider["claimed_experts"] == 0
+
+
+@pytest.mark.asyncio
+async def test_no_tick_happens_while_a_verify_runs_with_nothing_new_to_admit(make_engine, reference):
+    verifies: list[tuple[float, float]] = []
+    async with make_engine() as engine:
+        spec = engine.speculator
+        spec.verify_rounds = slowed(spec.verify_rounds, 0.02, verifies)
+        results = await run_all(engine, [(p, LONG) for p in PROMPTS])
+        ticks = list(engine._running.pacer.stats.tick_times)
+        await drained(engine)
+    assert [ids for ids, _, _ in results] == [reference(p, LONG) for p in PROMPTS]
+    inside = [sum(start < t < end for t in ticks) for start, end in verifies]
+    assert max(inside) <= 1, f"ticks inside one verify: {inside}"
+    assert len(ticks) <= 2 * len(verifies) + 1  # one at a launch, at most one more while it runs
+
+
+class Gate:
+    """Holds the first call of a round until released (the round runs for real after)."""
+
+    def __init__(self, fn):
+        self.fn, self.entered, self.go = fn, threading.Event(), threading.Event()
+
+    def __call__(self, *args):
+        if not self.go.is_set():
+            self.entered.set()
+            self.go.wait(20)
+        return self.fn(*args)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("point", ["prefill", "draft", "ticket", "verify"])
+async def test_an_abort_at_each_await_point_releases_kv_demand_and_claims(make_engine, reference, point):
+    provider = RecordingProvider()
+    async with make_engine(provider=provider) as engine:
+        spec, gate = engine.speculator, None
+        if point in ("prefill", "draft", "verify"):
+            name = {"prefill": "begin_sessions", "draft": "draft_rounds", "verify": "verify_rounds"}[point]
+            gate = Gate(getattr(spec, name))
+            setattr(spec, name, gate)
+        else:  # hold admission: ticks admit nothing while the gate is shut
+            real_tick, shut = engine.scheduler.tick, threading.Event()
+            engine.scheduler.tick = lambda *a, **k: real_tick(*a, **k) if not shut.is_set() else _no_admission()
+        doomed = engine.generate(PROMPTS[1], LONG, request_id="doomed")
+        if gate is not None:
+            await anyio.to_thread.run_sync(gate.entered.wait, 20)
+        else:
+            shut.set()
+            with anyio.fail_after(20):
+                while engine._seqs["doomed"].state.value != "verify":
+                    await anyio.sleep(0.005)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.abort, "doomed")
+            await anyio.sleep(0.05)
+            if gate is not None:
+                assert engine._seqs["doomed"].state.value == "aborted"  # its KV waits for the lane call using it
+                gate.go.set()
+            else:
+                assert "doomed" not in engine._seqs  # waiting for a ticket holds no lane: released at once
+                shut.clear()
+        _, _, last = await collect(doomed)
+        kept, _, _ = await collect(engine.generate(PROMPTS[0], GREEDY))
+        stats = await drained(engine)
+    assert last.finish_reason == "abort"
+    assert kept == reference(PROMPTS[0])
+    assert stats.aborted == 1 and stats.claimed_experts == 0 and not provider.claims
+
+
+def _no_admission():
+    from pdflash.engine.admission import ZERO, VerifyAdmission
+
+    return VerifyAdmission((), (), ZERO)
+
+
+@pytest.mark.asyncio
+async def test_lanes_get_thread_counts_that_do_not_oversubscribe(make_engine):
+    async with make_engine() as engine:
+        running = engine._running
+        assert running is not None and running.drafter is not None
+        threads = running.target.threads + running.drafter.threads
+    import torch
+
+    assert threads == max(2, torch.get_num_threads())
