@@ -68,8 +68,8 @@ def served(tiny_target):
     prompts: list[str] = []
     generate = engine.generate
 
-    def recording_generate(prompt, *args, **kwargs):  # a spy: records, changes nothing
-        prompts.append(prompt)
+    def recording_generate(prompt, *args, **kwargs):  # a spy: records (as text), changes nothing
+        prompts.append(engine.tokenizer.decode(prompt) if isinstance(prompt, list) else prompt)
         return generate(prompt, *args, **kwargs)
 
     engine.generate = recording_generate

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         min_requests=args.min_requests,
         repeats=args.repeats,
         policy=args.eviction,
+        device=args.device,
     )
     recipe = engine_recipe(plan, scale)
     record: dict | None = {} if args.record_routing is not None else None

@@ -14,7 +14,7 @@ from pathlib import Path
 from pdflash.bench.configs import CONFIGS
 
 DEFAULT_PROFILE = "qwen3-30b-a3b@h200-pcie5"
-ALL_CONFIGS = ",".join(CONFIGS)
+ALL_CONFIGS = ",".join(name for name, c in CONFIGS.items() if not c.derived)  # the simulator models these
 
 
 def _json_flag(p: argparse.ArgumentParser) -> None:
@@ -69,6 +69,7 @@ def register_subcommands(sub) -> None:
     bench.add_argument("--target", type=Path, help="target directory (default: the bundled trained pair)")
     bench.add_argument("--drafter", type=Path, help="DFlash drafter directory (default: the bundled one)")
     _common(bench, [1, 4, 16, 32])
+    bench.add_argument("--device", default="cpu", help="device the engines run on (cpu, cuda; default cpu)")
     bench.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default 64)")
     bench.add_argument("--prompts", type=int, default=32, help="HumanEval headers in the pool (default 32)")
     bench.add_argument("--repeats", type=int, default=1, help="interleaved repeats per point; median kept")

@@ -17,6 +17,14 @@ class BenchConfig:
     speculative: bool  # DFlash drafter on (else autoregressive, a block of 1)
     offloaded: bool  # experts behind the device cache and the (emulated) link
     two_dimensional: bool  # verify admission by tokens and expert bytes (else token-only)
+    derived: bool = False  # 2-D budgets derived per tick by the engine (else the fixed `two_d_budgets`)
+
+    @property
+    def scheduling(self) -> str:
+        """The engine's EngineConfig.scheduling for this configuration."""
+        if not self.two_dimensional:
+            return "token-only"
+        return "derived" if self.derived else "fixed"
 
 
 CONFIGS = {
@@ -26,6 +34,9 @@ CONFIGS = {
         BenchConfig(name="dflash-token", label="B1", speculative=True, offloaded=True, two_dimensional=False),
         BenchConfig(name="dflash-2d", label="B2", speculative=True, offloaded=True, two_dimensional=True),
         BenchConfig(name="resident", label="B3", speculative=True, offloaded=False, two_dimensional=False),
+        BenchConfig(
+            name="dflash-derived", label="B2d", speculative=True, offloaded=True, two_dimensional=True, derived=True
+        ),
     )
 }
 ALIASES = {c.label.lower(): c.name for c in CONFIGS.values()}

@@ -36,6 +36,7 @@ class BenchPlan:
     min_requests: int  # requests per point at least (clients x requests per client)
     repeats: int  # interleaved repeats per point; the median tokens/s one is reported
     policy: str = "activation"
+    device: str = "cpu"  # where the measured engines run (the time scale is measured there too)
 
     def requests_per_client(self, concurrency: int) -> int:
         return max(1, -(-self.min_requests // concurrency))
@@ -52,8 +53,8 @@ class EngineRecipe:
     max_num_seqs: int
 
     def budgets(self, config: BenchConfig) -> dict:
-        if not config.two_dimensional:
-            return {}
+        if config.scheduling != "fixed":
+            return {"scheduling": config.scheduling} if config.offloaded else {}
         assert self.scale is not None, "a 2-D configuration is offloaded: it needs a time scale"
         return two_d_budgets(
             max_num_seqs=self.max_num_seqs,
@@ -74,6 +75,7 @@ class EngineRecipe:
         return AsyncEngine.from_pretrained(
             plan.target,
             plan.drafter if config.speculative else None,
+            device=plan.device,
             offload=offload,
             max_num_seqs=self.max_num_seqs,
             **self.budgets(config),

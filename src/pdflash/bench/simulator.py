@@ -86,6 +86,8 @@ class Simulator:
             if cfg.offloaded
             else None
         )
+        if cfg.derived:
+            raise ValueError(f"the simulator does not model {cfg.name} (budgets derived per tick); use dflash-2d")
         if cfg.two_dimensional:
             b = setup.budgets or {}
             self.scheduler = VerifyScheduler(
