@@ -72,7 +72,7 @@ class VerifyPacer:
         lane: Lane,
         provider: OffloadProvider | None,
         derived: DerivedBudgets | None,
-        seqs: Mapping[str, Sequence],
+        seqs: Mapping[Any, Sequence],  # by request id
     ) -> None:
         self.scheduler, self.speculator, self.lane = scheduler, speculator, lane
         self._seqs = seqs  # the engine's live sequences, by request id

@@ -34,9 +34,9 @@ class TokenizeRoutes:
         if ("prompt" in body) == ("messages" in body):
             raise invalid('give exactly one of "prompt" (text) or "messages" (chat)', param="prompt")
         if "messages" in body:
-            request = parse_chat_request({"messages": body["messages"]})
-            size = sum(len(str(m.get("content") or "")) for m in request.messages)
-            text = await off_loop(size, lambda: prepare_turn(self.state.chat, request, streaming=False).prompt)
+            chat = parse_chat_request({"messages": body["messages"]})
+            size = sum(len(str(m.get("content") or "")) for m in chat.messages)
+            text = await off_loop(size, lambda: prepare_turn(self.state.chat, chat, streaming=False).prompt)
             ids = await encode(self.state, text, param="messages")
         else:
             if not isinstance(body["prompt"], str):

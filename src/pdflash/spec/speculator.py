@@ -20,7 +20,7 @@ from pdflash.spec.projection import ProjectionQuality, make_projector, routed_un
 from pdflash.spec.session import DraftResult, RoundOrderError, RoundTrace, SpecSession, VerifyResult
 from pdflash.stopping import StopRule, StopWatcher
 from pdflash.target.experts import ExpertKey
-from pdflash.target.model import Qwen3MoeModel
+from pdflash.target.loader import TargetModel
 
 
 class Speculator:
@@ -28,7 +28,7 @@ class Speculator:
 
     def __init__(
         self,
-        target: Qwen3MoeModel,
+        target: TargetModel,
         drafter: DFlashDrafter | None = None,
         *,
         expert_nbytes: dict[ExpertKey, int],

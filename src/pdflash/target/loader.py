@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TypeAlias, cast
 
 import attrs
 import torch
@@ -27,9 +27,12 @@ from pdflash.target.tokenizer import TextTokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+TargetModel: TypeAlias = Qwen3MoeModel | GptOssModel  # a target family's model: the same forward and outputs
+
+
 @attrs.frozen(kw_only=True)
 class LoadedTarget:
-    model: Qwen3MoeModel | GptOssModel
+    model: TargetModel
     tokenizer: TextTokenizer | None  # None when the directory has no tokenizer.json
     checkpoint: Checkpoint
     expert_nbytes: dict[ExpertKey, int]  # (layer, expert) -> payload bytes as stored
