@@ -26,7 +26,7 @@ import anyio.lowlevel
 import attrs
 import torch
 
-from pdflash.engine.builder import OffloadProvider, build_engine_parts
+from pdflash.engine.builder import BUILD_OPTIONS, OffloadProvider, build_engine_parts
 from pdflash.engine.config import EngineConfig, EngineStats
 from pdflash.engine.lanes import BatchLane, Isolation, Lane, lane_threads
 from pdflash.engine.outputs import RequestOutput, TextStream
@@ -119,36 +119,17 @@ class AsyncEngine:
 
     @classmethod
     def from_pretrained(
-        cls,
-        target: Path | str | None = None,
-        drafter: Path | str | None = None,
-        *,
-        block_size: int | None = None,
-        projector: str | None = None,
-        dtype: str | None = None,
-        device: str = "cpu",
-        offload: Mapping[str, Any] | None = None,
-        progress: bool = False,
-        **config: Any,
+        cls, target: Path | str | None = None, drafter: Path | str | None = None, **options: Any
     ) -> AsyncEngine:
         """Load a target and optionally a DFlash drafter (no target: the bundled pair).
 
-        `offload`: keywords of `pdflash.offload.load_offloaded_target` (expert_cache_fraction,
-        link_gbps, ...) to serve experts from the host store; its provider is closed on exit.
-        `config`: EngineConfig fields. See `pdflash.engine.builder.build_engine_parts`.
+        `options`: the keywords of `pdflash.engine.builder.build_engine_parts` (block_size,
+        projector, dtype, device, offload={...} to serve experts from the host store — its
+        provider is closed on exit —, progress), and EngineConfig fields.
         """
-        engine_config = EngineConfig(**config)
-        parts = build_engine_parts(
-            target,
-            drafter,
-            block_size=block_size,
-            projector=projector,
-            dtype=dtype,
-            device=device,
-            offload=offload,
-            progress=progress,
-            byte_budgets=engine_config.two_dimensional,
-        )
+        build = {name: options.pop(name) for name in BUILD_OPTIONS if name in options}
+        engine_config = EngineConfig(**options)
+        parts = build_engine_parts(target, drafter, byte_budgets=engine_config.two_dimensional, **build)
         try:
             engine = cls(parts.speculator, parts.tokenizer, engine_config, provider=parts.provider)
         except BaseException:

@@ -47,6 +47,9 @@ class EngineParts:
     provider: OffloadProvider | None  # the offloaded expert store, closed by whoever owns the engine
 
 
+BUILD_OPTIONS = ("block_size", "projector", "dtype", "device", "offload", "progress")  # build_engine_parts keywords
+
+
 def build_engine_parts(
     target: Path | str | None = None,
     drafter: Path | str | None = None,

@@ -1,6 +1,7 @@
 """Expert offloading: host store → prefetch lane → byte-budgeted device cache, as an ExpertProvider."""
 
-from pdflash.offload.device_cache import ExpertClaim, ExpertFetchError, OffloadedExperts, OffloadStats
+from pdflash.offload.cache_stats import OffloadStats
+from pdflash.offload.device_cache import ExpertClaim, ExpertFetchError, OffloadedExperts
 from pdflash.offload.eviction import POLICIES, make_policy
 from pdflash.offload.host_store import HostExpert, HostExpertStore
 from pdflash.offload.link import Link

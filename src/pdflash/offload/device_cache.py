@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from pdflash.kernels.mxfp4 import payload_nbytes
+from pdflash.offload.cache_stats import Counters, OffloadStats, ratio
 from pdflash.offload.eviction import make_policy
 from pdflash.offload.gpt_oss_store import GptOssHostExpert, GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpert, HostExpertStore
@@ -71,59 +72,6 @@ class ExpertClaim:
     released: bool = False  # given back (set by release, under the cache's lock)
 
 
-@attrs.define
-class _Counters:
-    fetches: int = 0
-    expert_bytes_fetched: int = 0
-    hits: int = 0
-    misses: int = 0
-    hit_bytes: int = 0
-    miss_bytes: int = 0
-    evictions: int = 0
-    peak_slots: int = 0
-    exposed_fetch_s: float = 0.0
-    prefetch_requests: int = 0
-    prefetch_fetches: int = 0
-    prefetch_bytes: int = 0
-    prefetch_dropped: int = 0
-    prefetch_hits: int = 0
-    prefetch_hit_bytes: int = 0
-    prefetch_waste_bytes: int = 0
-    fetch_errors: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class OffloadStats:
-    """A snapshot of the cache's counters since construction or the last `reset_stats()`."""
-
-    link: str  # "none" | "device" | "emulated"
-    policy: str  # eviction policy name
-    expert_cache_bytes: int  # budget (device bytes, compute dtype)
-    expert_cache_slots: int  # experts the arena holds
-    expert_slot_bytes: int  # device bytes of one expert in the compute dtype
-    expert_cache_peak_bytes: int  # most slots ever occupied (reserved or ready) x slot bytes
-    expert_bytes_fetched: int  # byte-map bytes copied by successful fetches (on demand + prefetch)
-    fetches: int  # successful fetches
-    hits: int  # routed experts a forward found resident or in flight
-    misses: int  # routed experts a forward had to fetch itself
-    hit_bytes: int
-    miss_bytes: int
-    expert_cache_hit_rate: float  # hit_bytes / (hit_bytes + miss_bytes), 0.0 before any need
-    evictions: int
-    exposed_fetch_s: float  # time forwards spent waiting for the lane (or for a free slot)
-    prefetch_requests: int  # prefetch keys queued (not resident when asked)
-    prefetch_fetches: int  # of those, fetched
-    prefetch_bytes: int  # byte-map bytes fetched by prefetches
-    prefetch_dropped: int  # no slot could be freed for them without evicting pinned or claimed experts
-    claimed_experts: int  # experts some unreleased prefetch claim keeps
-    prefetch_coverage: float  # bytes: first uses of prefetched experts / (those + misses)
-    prefetch_waste_bytes: int  # prefetched bytes evicted before any forward used them
-    fetch_errors: int
-
-    def as_dict(self) -> dict:
-        return attrs.asdict(self)
-
-
 class OffloadedExperts:
     """An ExpertProvider over a host store and a byte-budgeted device arena, fed by a prefetch lane."""
 
@@ -167,7 +115,7 @@ class OffloadedExperts:
         # CUDA: slot -> compute stream -> the last event after which that stream is done with the slot
         # (one per stream, not one per unpin: an expert that is never evicted would gather events forever)
         self._readers: dict[int, dict[torch.cuda.Stream, torch.cuda.Event]] = {}
-        self._counters = _Counters()
+        self._counters = Counters()
         self._closed = False
         self.lane = PrefetchLane(self.device)
 
@@ -264,7 +212,7 @@ class OffloadedExperts:
                 misses=c.misses,
                 hit_bytes=c.hit_bytes,
                 miss_bytes=c.miss_bytes,
-                expert_cache_hit_rate=_ratio(c.hit_bytes, c.hit_bytes + c.miss_bytes),
+                expert_cache_hit_rate=ratio(c.hit_bytes, c.hit_bytes + c.miss_bytes),
                 evictions=c.evictions,
                 exposed_fetch_s=c.exposed_fetch_s,
                 prefetch_requests=c.prefetch_requests,
@@ -272,7 +220,7 @@ class OffloadedExperts:
                 prefetch_bytes=c.prefetch_bytes,
                 prefetch_dropped=c.prefetch_dropped,
                 claimed_experts=len(self._claims),
-                prefetch_coverage=_ratio(c.prefetch_hit_bytes, c.prefetch_hit_bytes + c.miss_bytes),
+                prefetch_coverage=ratio(c.prefetch_hit_bytes, c.prefetch_hit_bytes + c.miss_bytes),
                 prefetch_waste_bytes=c.prefetch_waste_bytes,
                 fetch_errors=c.fetch_errors,
             )
@@ -283,7 +231,7 @@ class OffloadedExperts:
     def reset_stats(self) -> None:
         """Zero the counters; the peak restarts from what is occupied now."""
         with self._cond:
-            self._counters = _Counters(peak_slots=self.num_slots - len(self._free))
+            self._counters = Counters(peak_slots=self.num_slots - len(self._free))
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -478,7 +426,3 @@ def _budget_bytes(expert_cache_bytes: int | None, expert_cache_fraction: float |
     if expert_cache_bytes is None or expert_cache_bytes < 0:
         raise ValueError(f"expert_cache_bytes must be >= 0, got {expert_cache_bytes}")
     return int(expert_cache_bytes)
-
-
-def _ratio(part: float, whole: float) -> float:
-    return part / whole if whole else 0.0

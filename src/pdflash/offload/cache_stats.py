@@ -1,0 +1,67 @@
+"""The device cache's counters and the snapshot of them its stats report.
+
+Owns what is counted (fetches, hits and misses by bytes, evictions, exposed fetch time,
+prefetch coverage and waste) and how a snapshot is derived from the counts. The cache
+updates the counters under its own lock; this module knows nothing of slots or threads.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define
+class Counters:
+    fetches: int = 0
+    expert_bytes_fetched: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    evictions: int = 0
+    peak_slots: int = 0
+    exposed_fetch_s: float = 0.0
+    prefetch_requests: int = 0
+    prefetch_fetches: int = 0
+    prefetch_bytes: int = 0
+    prefetch_dropped: int = 0
+    prefetch_hits: int = 0
+    prefetch_hit_bytes: int = 0
+    prefetch_waste_bytes: int = 0
+    fetch_errors: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class OffloadStats:
+    """A snapshot of the cache's counters since construction or the last `reset_stats()`."""
+
+    link: str  # "none" | "device" | "emulated"
+    policy: str  # eviction policy name
+    expert_cache_bytes: int  # budget (device bytes, compute dtype)
+    expert_cache_slots: int  # experts the arena holds
+    expert_slot_bytes: int  # device bytes of one expert in the compute dtype
+    expert_cache_peak_bytes: int  # most slots ever occupied (reserved or ready) x slot bytes
+    expert_bytes_fetched: int  # byte-map bytes copied by successful fetches (on demand + prefetch)
+    fetches: int  # successful fetches
+    hits: int  # routed experts a forward found resident or in flight
+    misses: int  # routed experts a forward had to fetch itself
+    hit_bytes: int
+    miss_bytes: int
+    expert_cache_hit_rate: float  # hit_bytes / (hit_bytes + miss_bytes), 0.0 before any need
+    evictions: int
+    exposed_fetch_s: float  # time forwards spent waiting for the lane (or for a free slot)
+    prefetch_requests: int  # prefetch keys queued (not resident when asked)
+    prefetch_fetches: int  # of those, fetched
+    prefetch_bytes: int  # byte-map bytes fetched by prefetches
+    prefetch_dropped: int  # no slot could be freed for them without evicting pinned or claimed experts
+    claimed_experts: int  # experts some unreleased prefetch claim keeps
+    prefetch_coverage: float  # bytes: first uses of prefetched experts / (those + misses)
+    prefetch_waste_bytes: int  # prefetched bytes evicted before any forward used them
+    fetch_errors: int
+
+    def as_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+def ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
