@@ -167,3 +167,25 @@ async def test_lanes_get_thread_counts_that_do_not_oversubscribe(make_engine):
     import torch
 
     assert threads == max(2, torch.get_num_threads())
+
+
+@pytest.mark.asyncio
+async def test_a_bug_around_one_batched_verify_fails_that_batch_only(make_engine, reference):
+    async with make_engine() as engine:
+        pacer = engine._running.pacer
+        real, calls = pacer._verify_rounds, []
+
+        async def broken_once(batch):  # fails outside the rounds (not a round's own error) the first time
+            calls.append(len(batch))
+            if len(calls) == 1:
+                raise RuntimeError("bug around a batch")
+            return await real(batch)
+
+        pacer._verify_rounds = broken_once
+        with pytest.raises(RuntimeError, match="bug around a batch"):
+            await collect(engine.generate(PROMPTS[0], GREEDY))
+        assert engine.running and engine.error is None
+        ids, _, _ = await collect(engine.generate(PROMPTS[1], GREEDY))
+        stats = await drained(engine)
+    assert ids == reference(PROMPTS[1])
+    assert (stats.failed, stats.finished) == (1, 1)

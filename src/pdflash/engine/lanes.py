@@ -222,5 +222,10 @@ class BatchLane(Generic[T, R]):
                 except Exception as alone:
                     job.error = alone
             return
+        if len(results) != len(jobs):  # a batched call must answer every item: a bug, reported to each
+            mismatch = RuntimeError(f"{self.name}: {len(jobs)} items gave {len(results)} results")
+            for job in jobs:
+                job.error = mismatch
+            return
         for job, result in zip(jobs, results, strict=True):
             job.result = result

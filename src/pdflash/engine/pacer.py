@@ -146,23 +146,27 @@ class VerifyPacer:
 
     async def _verify(self, batch: list[Sequence], done: anyio.Event) -> None:
         started = time.perf_counter()
+        outcomes: list[VerifyResult | BaseException]
         try:
             with anyio.CancelScope(shield=True):  # the thread runs to the end whatever happens here
-                results = await self._verify_rounds(batch)
+                outcomes = await self._verify_rounds(batch)
+        except Exception as error:  # a bug around the rounds themselves: this batch's sequences fail, no other
+            log.exception("a batched verify of %d sequences failed outside its rounds", len(batch))
+            outcomes = [error] * len(batch)
         finally:
             elapsed = time.perf_counter() - started
             ema = self.stats.verify_s_ema
             self.stats.verify_s_ema = elapsed if ema is None else (1 - EMA_WEIGHT) * ema + EMA_WEIGHT * elapsed
             done.set()
             self._changed.set()
-        for seq, outcome in zip(batch, results, strict=True):
-            if seq.live:  # an aborted one already withdrew its demand
-                self.scheduler.finish(seq.request_id)
+        for seq, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 seq.verify_error = outcome
             else:
                 seq.verify_result = outcome
-            seq.verify_done.set()
+            seq.verify_done.set()  # every sequence of the batch hears back, whatever happened
+            if seq.live:  # an aborted one already withdrew its demand
+                self.scheduler.finish(seq.request_id)
 
     async def _verify_rounds(self, batch: list[Sequence]) -> list[VerifyResult | BaseException]:
         """One batched verify; if it raises, each sequence alone (rewound first), so only culprits fail."""
