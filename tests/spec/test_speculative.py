@@ -142,7 +142,9 @@ def test_routed_union_and_bytes(loaded):
 
 
 def test_unknown_projector_is_named(loaded, drafter):
-    with pytest.raises(ValueError, match="projector 'psychic' is unknown; choose one of last-union, router, exact"):
+    with pytest.raises(
+        ValueError, match="projector 'psychic' is unknown; choose one of last-union, router, exact, route-head"
+    ):
         speculator(loaded, drafter, projector="psychic")
 
 

@@ -34,7 +34,8 @@ def _common(p: argparse.ArgumentParser, concurrency: list[int]) -> None:
         default=ALL_CONFIGS,
         help=f"comma-separated configurations, run side by side (default {ALL_CONFIGS}; "
         "B0 ar = autoregressive offloaded, B1 dflash-token = DFlash token-only scheduling, "
-        "B2 dflash-2d = DFlash 2-D (tokens, bytes) scheduling, B3 resident = DFlash, no offloading)",
+        "B2 dflash-2d = DFlash 2-D (tokens, bytes) scheduling, B3 resident = DFlash, no offloading; "
+        "NAME@PROJECTOR picks the route projector, e.g. dflash-2d@router,dflash-2d@route-head)",
     )
     p.add_argument(
         "--concurrency", type=int, nargs="+", default=concurrency, help=f"closed-loop clients (default {concurrency})"

@@ -18,6 +18,7 @@ class BenchConfig:
     offloaded: bool  # experts behind the device cache and the (emulated) link
     two_dimensional: bool  # verify admission by tokens and expert bytes (else token-only)
     derived: bool = False  # 2-D budgets derived per tick by the engine (else the fixed `two_d_budgets`)
+    projector: str | None = None  # route projector (`name@projector`); None: the engine's default
 
     @property
     def scheduling(self) -> str:
@@ -43,14 +44,30 @@ ALIASES = {c.label.lower(): c.name for c in CONFIGS.values()}
 
 
 def parse_configs(text: str) -> list[BenchConfig]:
-    """`ar,dflash-2d` or `b0,b2` (comma-separated) -> configurations, in the order given."""
+    """`ar,dflash-2d` or `b0,b2` (comma-separated) -> configurations, in the order given.
+
+    `dflash-2d@route-head` is that configuration with that route projector (any of
+    pdflash.spec.projection.PROJECTORS), so projectors compare side by side in one run.
+    """
+    from pdflash.spec.projection import PROJECTORS
+
     chosen = []
     for raw in text.split(","):
-        key = ALIASES.get(raw.strip().lower(), raw.strip().lower())
+        name, _, projector = raw.strip().lower().partition("@")
+        key = ALIASES.get(name, name)
         if key not in CONFIGS:
             valid = ", ".join(f"{c.name} ({c.label})" for c in CONFIGS.values())
             raise ValueError(f"--configs: {raw.strip()!r} is not a configuration; valid: {valid}")
-        chosen.append(CONFIGS[key])
+        config = CONFIGS[key]
+        if projector:
+            if projector not in PROJECTORS:
+                raise ValueError(
+                    f"--configs: {raw.strip()!r} names projector {projector!r}; valid: {', '.join(PROJECTORS)}"
+                )
+            config = attrs.evolve(
+                config, name=f"{config.name}@{projector}", label=f"{config.label}@{projector}", projector=projector
+            )
+        chosen.append(config)
     return chosen
 
 

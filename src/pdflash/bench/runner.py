@@ -78,6 +78,7 @@ class EngineRecipe:
             device=plan.device,
             offload=offload,
             max_num_seqs=self.max_num_seqs,
+            projector=config.projector,
             **self.budgets(config),
         )
 

@@ -27,6 +27,8 @@ from pdflash.cli.commands import (
     cmd_serve,
     cmd_train_drafter,
 )
+from pdflash.cli.train_route_head import register as register_train_route_head
+from pdflash.spec.projection import PROJECTORS
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -43,9 +45,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--projector",
         default=None,
-        choices=["router", "last-union", "exact"],
-        help="route projection of each drafted block (default: router with offloading or byte budgets, "
-        "else last-union, which costs nothing)",
+        choices=PROJECTORS,
+        help="route projection of each drafted block (default with offloading or byte budgets: route-head "
+        "when the drafter has a trained route head, else router; otherwise last-union, which costs nothing)",
     )
 
 
@@ -284,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stats", type=Path, help="also write the training figures (steps, time, losses) to this JSON file"
     )
     train.set_defaults(func=cmd_train_drafter)
+    register_train_route_head(sub)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random MoE checkpoint (for tests and trials)")
     tiny.add_argument("out", help="directory to write")

@@ -18,6 +18,7 @@ import attrs
 from pdflash.bundled import default_drafter, default_target
 from pdflash.engine.lanes import off_thread
 from pdflash.spec.drafter import load_drafter
+from pdflash.spec.projection import RouteHead, make_projector, route_head_path
 from pdflash.spec.speculator import Speculator
 from pdflash.target.experts import ExpertKey
 from pdflash.target.loader import LoadedTarget, load_target
@@ -65,15 +66,18 @@ def build_engine_parts(
     """Load a target (no target: the bundled pair) and optionally a DFlash drafter.
 
     `offload`: keywords of `pdflash.offload.load_offloaded_target` (expert_cache_fraction,
-    link_gbps, ...) to serve experts from the host store. `projector` defaults to the router
-    pass when its better coverage is used (offloading or `byte_budgets`), else the free
-    last-union (docs/speculative.md measures both).
+    link_gbps, ...) to serve experts from the host store. `projector` defaults, when its
+    coverage is used (offloading or `byte_budgets`), to the trained route head found beside
+    the drafter (or beside the bundled drafter for the bundled target, drafting or not), else
+    to the router pass; otherwise to the free last-union (docs/speculative.md measures them).
     """
-    if projector is None:
-        projector = "router" if offload is not None or byte_budgets else "last-union"
     if target is None:  # the bundled pair
         target, drafter = default_target(), drafter or default_drafter(default_target())
     target = Path(target)
+    head_path = route_head_path(drafter or default_drafter(target))
+    if projector is None:
+        bytes_matter = offload is not None or byte_budgets
+        projector = ("route-head" if head_path else "router") if bytes_matter else "last-union"
     provider: OffloadProvider | None = None
     if offload is not None:
         from pdflash.offload import load_offloaded_target
@@ -87,11 +91,12 @@ def build_engine_parts(
         loaded = off_thread(lambda: load_target(target, dtype=dtype, device=device, progress=progress))
     try:
         draft_model = off_thread(lambda: load_drafter(drafter, loaded.model, progress=progress)) if drafter else None
+        head = RouteHead.load(head_path, loaded.model.config) if projector == "route-head" and head_path else None
         speculator = Speculator(
             loaded.model,
             draft_model,
             expert_nbytes=loaded.expert_nbytes,
-            projector=projector,
+            projector=make_projector(projector, route_head=head),
             block_size=block_size,
             resident=provider.resident if provider is not None else frozenset,
         )

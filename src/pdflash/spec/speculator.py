@@ -16,7 +16,7 @@ import torch
 from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams, adjust_logits, sample, token_logprobs
 from pdflash.spec.drafter import DFlashDrafter
-from pdflash.spec.projection import ProjectionQuality, make_projector, routed_union, union_bytes
+from pdflash.spec.projection import ProjectionQuality, Projector, make_projector, routed_union, union_bytes
 from pdflash.spec.session import DraftResult, RoundOrderError, RoundTrace, SpecSession, VerifyResult
 from pdflash.stopping import StopRule, StopWatcher
 from pdflash.target.experts import ExpertKey
@@ -32,14 +32,14 @@ class Speculator:
         drafter: DFlashDrafter | None = None,
         *,
         expert_nbytes: dict[ExpertKey, int],
-        projector: str = "router",
+        projector: str | Projector = "router",  # a name (make_projector) or a built projector
         block_size: int | None = None,
         resident: Callable[[], Collection[ExpertKey]] = frozenset,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.expert_nbytes = expert_nbytes
-        self.projector = make_projector(projector)
+        self.projector = make_projector(projector) if isinstance(projector, str) else projector
         self.resident = resident
         if drafter is None:
             self.block_size = 1
