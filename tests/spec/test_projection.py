@@ -181,3 +181,33 @@ def test_union_bytes_is_the_byte_map_sum(loaded):
     nbytes = uneven_byte_map(loaded)
     union = frozenset(sorted(nbytes)[5:17])
     assert union_bytes(union, nbytes) == sum(nbytes[k] for k in union)
+
+
+def test_builder_defaults_to_the_route_head_beside_the_drafter(tiny_target, head_and_data, tmp_path):
+    from pdflash.engine.builder import build_engine_parts
+
+    drafter_dir = write_tiny_drafter(tmp_path / "drafter", tiny_target)
+    assert build_engine_parts(tiny_target, drafter_dir, byte_budgets=True).speculator.projector.name == "router"
+    head_and_data[0].save(drafter_dir / ROUTE_HEAD_FILE)
+    assert build_engine_parts(tiny_target, drafter_dir, byte_budgets=True).speculator.projector.name == "route-head"
+    assert build_engine_parts(tiny_target, drafter_dir).speculator.projector.name == "last-union"  # bytes unused
+    chosen = build_engine_parts(tiny_target, drafter_dir, projector="router", byte_budgets=True)
+    assert chosen.speculator.projector.name == "router"
+
+
+def test_train_route_head_command_writes_a_loadable_head(capsys, loaded, tiny_target, tmp_path):
+    from pdflash.cli import EXIT_USAGE, main
+
+    files = []
+    for i in range(10):
+        files.append(tmp_path / f"part{i}.py")
+        files[-1].write_text(f"def f{i}(a, b):\n    return a * {i} + b\n" * 30)
+    out = write_tiny_drafter(tmp_path / "drafter", tiny_target)
+    argv = ["train-route-head", "--target", str(tiny_target), "--out", str(out), "--threads", "1"]
+    small = ["--sequences", "8", "--held-out", "4", "--window", "24", "--steps", "5", "--block-size", "4"]
+    assert main([*argv, "--data", *map(str, files), *small, "--stats", str(tmp_path / "s.json")]) == 0
+    assert f"wrote {out / ROUTE_HEAD_FILE}: 5 steps" in capsys.readouterr().out
+    head = RouteHead.load(out / ROUTE_HEAD_FILE, loaded.model.config)
+    assert head.context_tokens == 3 and head.threshold == 0.3
+    assert main([*argv, "--data", *map(str, files[:3]), *small]) == EXIT_USAGE
+    assert "--data gives 3 files; give 10 at least" in capsys.readouterr().err
