@@ -142,6 +142,18 @@ def test_bad_configs_name_the_value():
     assert [c.name for c in parse_configs("b0,dflash-2d")] == ["ar", "dflash-2d"]
 
 
+def test_configs_take_a_projector():
+    chosen = parse_configs("b2@route-head,dflash-2d@router,ar")
+    assert [(c.name, c.label, c.projector) for c in chosen] == [
+        ("dflash-2d@route-head", "B2@route-head", "route-head"),
+        ("dflash-2d@router", "B2@router", "router"),
+        ("ar", "B0", None),
+    ]
+    assert chosen[0].two_dimensional and chosen[0].scheduling == CONFIGS["dflash-2d"].scheduling
+    with pytest.raises(ValueError, match=r"'ar@psychic' names projector 'psychic'; valid: last-union, router"):
+        parse_configs("ar@psychic")
+
+
 def test_simulate_json_contract(capsys):
     argv = "simulate --profile qwen3-30b-a3b@h200-pcie5 --configs ar --concurrency 1"
     code = cli.main(

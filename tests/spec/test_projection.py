@@ -211,3 +211,15 @@ def test_train_route_head_command_writes_a_loadable_head(capsys, loaded, tiny_ta
     assert head.context_tokens == 3 and head.threshold == 0.3
     assert main([*argv, "--data", *map(str, files[:3]), *small]) == EXIT_USAGE
     assert "--data gives 3 files; give 10 at least" in capsys.readouterr().err
+
+
+def test_bundled_pair_loads_its_route_head_when_bytes_matter():
+    from pdflash.bundled import BUNDLED_DRAFTER, BUNDLED_TARGET
+    from pdflash.engine.builder import build_engine_parts
+
+    path = route_head_path(BUNDLED_DRAFTER)
+    assert path is not None and path.stat().st_size < 256_000  # small enough to ship in the wheel
+    parts = build_engine_parts(byte_budgets=True)
+    assert parts.speculator.projector.name == "route-head"
+    parts = build_engine_parts(BUNDLED_TARGET, None, byte_budgets=True)  # no drafter: still the bundled head
+    assert parts.speculator.drafter is None and parts.speculator.projector.name == "route-head"
