@@ -83,7 +83,7 @@ class RouteHead:
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., C*H] → [..., L_moe, E] routing logits (an expert's chance of being in the token's top-k)."""
-        out = F.linear(features, self.weight.to(features.device), self.bias.to(features.device))
+        out = F.linear(features, self.weight, self.bias)
         return out.unflatten(-1, (len(self.moe_layer_ids), self.num_experts))
 
     @staticmethod
@@ -133,11 +133,11 @@ class RouteHead:
                 context_tokens=int(config["context_tokens"]),
                 threshold=float(config["threshold"]),
             )
+        except CheckpointError:
+            raise
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path}: not a safetensors route head file ({exc})") from exc
-        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-            if isinstance(exc, CheckpointError):
-                raise
+        except (KeyError, TypeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
             raise CheckpointError(f"{path}: bad route head config ({exc})") from exc
         if target_config is not None:
             head.check_fits(target_config, path)
@@ -163,7 +163,13 @@ class RouteHeadProjector:
         self.head = head
 
     def project(self, speculator, sessions, blocks: Sequence[torch.Tensor]) -> list[frozenset[ExpertKey]]:
+        if not blocks:
+            return []
         embed = speculator.target.embed  # [V, H]
+        if self.head.weight.device != embed.device:  # once: the head follows the target onto its device
+            self.head = attrs.evolve(
+                self.head, weight=self.head.weight.to(embed.device), bias=self.head.bias.to(embed.device)
+            )
         history = self.head.context_tokens - 1
         feats = []
         for s, block in zip(sessions, blocks, strict=True):
