@@ -223,3 +223,18 @@ def test_bundled_pair_loads_its_route_head_when_bytes_matter():
     assert parts.speculator.projector.name == "route-head"
     parts = build_engine_parts(BUNDLED_TARGET, None, byte_budgets=True)  # no drafter: still the bundled head
     assert parts.speculator.drafter is None and parts.speculator.projector.name == "route-head"
+
+
+def test_train_drafter_writes_a_route_head_beside_an_unchanged_drafter(capsys, loaded, tiny_target, tmp_path):
+    from pdflash.cli import main
+
+    text = tmp_path / "corpus.py"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    out = tmp_path / "d"
+    argv = ["train-drafter", "--target", str(tiny_target), "--data", str(text), "--out", str(out), "--steps", "2"]
+    small = ["--sequences", "12", "--prompt-tokens", "8", "--response-tokens", "12", "--anchors", "2"]
+    assert main([*argv, *small, "--block-size", "4", "--route-head-steps", "3"]) == 0
+    assert f"wrote {out / ROUTE_HEAD_FILE}: 3 steps" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", ROUTE_HEAD_FILE]
+    load_drafter(out, loaded.model)  # the DFlash checkpoint loads as before
+    RouteHead.load(route_head_path(out), loaded.model.config)

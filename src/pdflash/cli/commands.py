@@ -265,6 +265,17 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         f"wrote {out}: {result.steps} steps in {result.seconds:.0f} s, "
         f"loss {result.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)} steps)"
     )
+    if args.route_head_steps:
+        from pdflash.cli.train_route_head import train_beside_drafter
+
+        try:
+            print(
+                train_beside_drafter(
+                    target, data.token_ids, out, steps=args.route_head_steps, seed=args.seed, block_size=args.block_size
+                )
+            )
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     if args.stats:
         args.stats.write_text(
             json.dumps(

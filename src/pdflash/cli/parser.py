@@ -285,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--stats", type=Path, help="also write the training figures (steps, time, losses) to this JSON file"
     )
+    train.add_argument(
+        "--route-head-steps",
+        type=int,
+        default=0,
+        help="then train a route head (the route-head projector) for that many steps on the same "
+        "sequences and write route_head.safetensors beside the drafter (default 0: none; "
+        "`pdflash train-route-head` trains one for an existing drafter)",
+    )
     train.set_defaults(func=cmd_train_drafter)
     register_train_route_head(sub)
 

@@ -1,6 +1,7 @@
-"""`pdflash train-route-head`: its flags and what it does (train, score on held-out files, write the file).
+"""`pdflash train-route-head` (and `train-drafter --route-head-steps`): train, score on held-out data, write.
 
 Every 10th data file (sorted by path) is held out: the printed block score comes from those.
+Beside a drafter, the drafter's own training sequences are used instead (the last tenth held out).
 """
 
 from __future__ import annotations
@@ -38,12 +39,45 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_train_route_head)
 
 
+def _fit(target, train_windows, held_windows, settings, *, block_size: int):
+    from pdflash.spec.route_training import build_route_data, score_blocks, train_route_head
+
+    train = build_route_data(target.model, train_windows)
+    held = build_route_data(target.model, held_windows)
+    head, losses = train_route_head(target.model, train, settings)
+    return head, losses, score_blocks(head, target.model, held, target.expert_nbytes, block_size=block_size)
+
+
+def _summary(out: Path, losses, score, block_size: int) -> str:
+    return (
+        f"wrote {out}: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out blocks of "
+        f"{block_size} ({score.blocks}): coverage by bytes {score.coverage_bytes:.3f}, waste "
+        f"{score.waste_bytes / 1e3:.0f} kB/block (previous block's union: {score.baseline_coverage_bytes:.3f}, "
+        f"{score.baseline_waste_bytes / 1e3:.0f} kB/block)"
+    )
+
+
+def train_beside_drafter(target, token_ids, out_dir: Path, *, steps: int, seed: int, block_size: int) -> str:
+    """A head from the drafter's training sequences ([S, L]; at most 2,304 used, the last tenth
+    held out), written into the drafter directory; returns the summary line."""
+    from pdflash.spec.projection import ROUTE_HEAD_FILE
+    from pdflash.spec.route_training import RouteTrainSettings
+
+    rows = token_ids[:2304].tolist()
+    cut = len(rows) - max(1, len(rows) // 10)
+    if cut < 1:
+        raise ValueError(f"{len(rows)} training sequences leave none to hold out; give --sequences 2 at least")
+    settings = RouteTrainSettings(steps=steps, seed=seed)
+    head, losses, score = _fit(target, rows[:cut], rows[cut:], settings, block_size=block_size)
+    return _summary(head.save(Path(out_dir) / ROUTE_HEAD_FILE), losses, score, block_size)
+
+
 def cmd_train_route_head(args: argparse.Namespace) -> int:
     import attrs
     import torch
 
     from pdflash.spec.projection import ROUTE_HEAD_FILE
-    from pdflash.spec.route_training import RouteTrainSettings, build_route_data, score_blocks, train_route_head
+    from pdflash.spec.route_training import RouteTrainSettings
     from pdflash.spec.train import text_prompts
     from pdflash.target.loader import load_target
 
@@ -67,21 +101,13 @@ def cmd_train_route_head(args: argparse.Namespace) -> int:
         def windows(fs, count, seed):
             return text_prompts(target.tokenizer, fs, count=count, length=args.window, seed=seed)
 
-        train = build_route_data(target.model, windows(train_files, args.sequences, args.seed))
-        held = build_route_data(target.model, windows(held_files, args.held_out, args.seed + 1))
-        head, losses = train_route_head(target.model, train, settings)
-        score = score_blocks(head, target.model, held, target.expert_nbytes, block_size=args.block_size)
+        train, held = windows(train_files, args.sequences, args.seed), windows(held_files, args.held_out, args.seed + 1)
+        head, losses, score = _fit(target, train, held, settings, block_size=args.block_size)
     except CheckpointError as exc:
         raise UserError(str(exc), EXIT_MODEL) from None
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    head.save(out)
-    print(
-        f"wrote {out}: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out blocks of "
-        f"{args.block_size} ({score.blocks}): coverage by bytes {score.coverage_bytes:.3f}, waste "
-        f"{score.waste_bytes / 1e3:.0f} kB/block (previous block's union: {score.baseline_coverage_bytes:.3f}, "
-        f"{score.baseline_waste_bytes / 1e3:.0f} kB/block)"
-    )
+    print(_summary(head.save(out), losses, score, args.block_size))
     if args.stats:
         args.stats.write_text(
             json.dumps({"score": attrs.asdict(score), "settings": attrs.asdict(settings), "losses": losses}, indent=1)
