@@ -9,13 +9,17 @@ the target's own log-softmax (before any adjustment or temperature) at the emitt
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import attrs
 import torch
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch.Generator seed takes, as int64
 MAX_TOP_LOGPROBS = 20
+
+
+def _ids(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -29,7 +33,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 = all tokens
     max_tokens: int = 64  # new tokens at most
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # finish after any of these
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ids)  # finish after any of these
     stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s))
     seed: int | None = None  # per-request generator seed
     presence_penalty: float = 0.0  # subtracted once from each token already generated, in [-2, 2]

@@ -2,19 +2,18 @@
 real server (uvicorn, the engine, the tiny random checkpoint) serving the Qwen3 chat template.
 
 A random tiny model never writes a tool call by itself, so the test steers its output with a
-test double of the model output only: `ScriptedSampler` replaces the sampling function the
-speculator calls, so each sampled token is the next token of a script. Everything else is
-real — prefill and decode forwards, the engine loop, detokenization, the chat template, the
-parsers, SSE. Rendered prompts are checked against `transformers`' `apply_chat_template`.
+test double of the model output only: `ScriptedSampler` (tests/scripted_output.py) replaces
+the sampling function the speculator calls, so each sampled token is the next token of a
+script. Everything else is real — prefill and decode forwards, the engine loop,
+detokenization, the chat template, the parsers, SSE. Rendered prompts are checked against `transformers`' `apply_chat_template`.
 """
 
 import json
-from collections import deque
 from pathlib import Path
 
 import openai
 import pytest
-import torch
+from scripted_output import ScriptedSampler, streamed_calls
 from websockets.sync.client import connect
 
 import pdflash.spec.speculator
@@ -40,25 +39,6 @@ THINK_THEN_CALL = (
     "<think>\nThe user wants the weather; call the tool.\n</think>\n\n"
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "units": "°C"}}\n</tool_call>'
 )
-
-
-class ScriptedSampler:
-    """Test double of the model output only: stands in for `sample(logits, params, generator)`.
-
-    Each call returns the next token of the script (then end-of-sequence), one per row of
-    logits; requests run one at a time, without a drafter, so every call is one token.
-    """
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.eos = tokenizer.token_id("<|endoftext|>")
-        self.script: deque[int] = deque()
-
-    def say(self, text: str) -> None:
-        self.script = deque(self.tokenizer.encode(text))
-
-    def __call__(self, logits, params, generator):
-        return torch.tensor([self.script.popleft() if self.script else self.eos for _ in range(logits.shape[0])])
 
 
 @pytest.fixture(scope="module")
@@ -99,19 +79,6 @@ def transformers_tokenizer(tiny_target):
 
 def expected_prompt(hf, messages, tools=None, **kwargs):
     return hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
-
-
-def streamed_calls(chunks):
-    """Tool calls accumulated from streamed deltas by index, as agents do; plus pieces per call."""
-    calls: dict[int, dict] = {}
-    for chunk in chunks:
-        for d in (chunk.choices[0].delta.tool_calls if chunk.choices else None) or []:
-            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": "", "pieces": 0})
-            call["id"] = d.id or call["id"]
-            call["name"] = (d.function.name if d.function else None) or call["name"]
-            call["arguments"] += (d.function.arguments or "") if d.function else ""
-            call["pieces"] += 1
-    return [calls[i] for i in sorted(calls)]
 
 
 def test_a_tool_call_comes_back_parsed_whole_and_streamed(served, client, transformers_tokenizer):

@@ -4,8 +4,9 @@ Owns the chat-only request fields (validated with errors naming the field), rend
 request into a prompt through the served chat template, the per-turn output parser (from
 the model's chat family), and the OpenAI shapes of what it yields: `message` with
 `reasoning_content` and `tool_calls`, streamed `delta`s with incremental `arguments`,
-`finish_reason: "tool_calls"`. Shared by the HTTP endpoint and the websocket. Must not
-touch the engine: a turn reads the deltas `engine.generate()` yields.
+`finish_reason: "tool_calls"`, and the family's turn-ending tokens added to a chat request's
+stop ids. Shared by the HTTP endpoint and the websocket. Must not touch the engine: a turn
+reads the deltas `engine.generate()` yields.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pdflash.chat.deltas import EMPTY, ChatDelta, ChatMessage, OutputParser
 from pdflash.chat.families import AUTO, ChatFamily, ToolChoice, TurnSetup, family_for
 from pdflash.chat.template import RESERVED_VARIABLES, ChatTemplate, ChatTemplateError
 from pdflash.engine.outputs import RequestOutput
+from pdflash.sampling import SamplingParams
 from pdflash.server.errors import invalid
 
 CHAT_FIELDS = {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "documents"}
@@ -47,6 +49,7 @@ class ChatSetup:
     template: ChatTemplate | None
     family: ChatFamily
     end_tokens: Mapping[int, str]  # special token id -> text; dropped from the end of a turn's content
+    stop_token_ids: tuple[int, ...] = ()  # the family's stop markers in this tokenizer (harmony's <|call|>)
 
     @classmethod
     def create(cls, tokenizer: Any, *, template_file: Path | str | None = None, parser: str = "auto") -> ChatSetup:
@@ -61,10 +64,13 @@ class ChatSetup:
                 template = ChatTemplate.from_source(path.read_text(encoding="utf-8"), special)
             except ValueError as exc:
                 raise ValueError(f"--chat-template {str(path)!r}: {exc}") from None
+        family = family_for(parser, template.source if template is not None else None)
+        stops = [tokenizer.token_id(m) for m in family.stop_markers] if tokenizer is not None else []
         return cls(
             template=template,
-            family=family_for(parser, template.source if template is not None else None),
+            family=family,
             end_tokens=tokenizer.special_tokens() if tokenizer is not None else {},
+            stop_token_ids=tuple(i for i in stops if i is not None),
         )
 
 
@@ -231,11 +237,25 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> ToolCho
 class ChatTurn:
     """A request's prompt and the parser its output goes through."""
 
-    def __init__(self, prompt: str, prefix: str, parser: OutputParser, end_tokens: Mapping[int, str]) -> None:
+    def __init__(
+        self,
+        prompt: str,
+        prefix: str,
+        parser: OutputParser,
+        end_tokens: Mapping[int, str],
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> None:
         self.prompt = prompt + prefix  # what the engine is asked to continue
         self.prefix = prefix  # forced start of the turn (tool_choice), parsed as if the model wrote it
-        self.parser, self.end_tokens = parser, end_tokens
+        self.parser, self.end_tokens, self.stop_token_ids = parser, end_tokens, stop_token_ids
         self.tool_calls = 0
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the family's turn-ending tokens among its stop ids (unless it ignores EOS)."""
+        extra = tuple(t for t in self.stop_token_ids if t not in params.stop_token_ids)
+        if not extra or params.ignore_eos:
+            return params
+        return attrs.evolve(params, stop_token_ids=params.stop_token_ids + extra)
 
     def start(self) -> ChatDelta:
         return self._count(self.parser.feed(self.prefix, ())) if self.prefix else EMPTY
@@ -272,7 +292,7 @@ def prepare_turn(setup: ChatSetup, request: ChatRequest, *, streaming: bool, par
     if parse_tools_out and not family.parses_tool_calls:
         raise invalid(
             f"this server's chat family {family.name!r} has no tool-call parser; "
-            "start it with --chat-parser naming a family with one (e.g. qwen3), or send no tools",
+            "start it with --chat-parser naming a family with one (qwen3, harmony), or send no tools",
             param="tools",
         )
     try:
@@ -291,7 +311,7 @@ def prepare_turn(setup: ChatSetup, request: ChatRequest, *, streaming: bool, par
         streaming=streaming,
     )
     prefix = family.forcing_prefix(prompt, choice) if choice.forced and family.forcing_prefix is not None else ""
-    return ChatTurn(prompt, prefix, family.new_parser(turn), setup.end_tokens)
+    return ChatTurn(prompt, prefix, family.new_parser(turn), setup.end_tokens, setup.stop_token_ids)
 
 
 # -- response shapes ------------------------------------------------------------------------------

@@ -162,6 +162,8 @@ class WebSocketSession:
             max_tokens_given=params.get("max_tokens") is not None,
             names={"max_tokens": "params.max_tokens"},
         )
+        if turn is not None:
+            sampling = turn.sampling(sampling)  # the chat family's turn-ending tokens stop it too
         request_id = f"{self.name}-{next(self.requests)}"
         try:
             stream = self.state.engine.generate(prompt_ids, sampling, request_id=request_id)
