@@ -72,30 +72,18 @@ class OffloadStats:
         claimed_experts: int,
     ) -> OffloadStats:
         """The snapshot of counters `c` of a cache with this link, policy and arena."""
+        counted = attrs.fields_dict(Counters).keys() & attrs.fields_dict(cls).keys()
         return cls(
+            **{name: getattr(c, name) for name in counted},  # the counts go across by name
             link=link,
             policy=policy,
             expert_cache_bytes=budget_bytes,
             expert_cache_slots=num_slots,
             expert_slot_bytes=slot_bytes,
             expert_cache_peak_bytes=c.peak_slots * slot_bytes,
-            expert_bytes_fetched=c.expert_bytes_fetched,
-            fetches=c.fetches,
-            hits=c.hits,
-            misses=c.misses,
-            hit_bytes=c.hit_bytes,
-            miss_bytes=c.miss_bytes,
             expert_cache_hit_rate=ratio(c.hit_bytes, c.hit_bytes + c.miss_bytes),
-            evictions=c.evictions,
-            exposed_fetch_s=c.exposed_fetch_s,
-            prefetch_requests=c.prefetch_requests,
-            prefetch_fetches=c.prefetch_fetches,
-            prefetch_bytes=c.prefetch_bytes,
-            prefetch_dropped=c.prefetch_dropped,
             claimed_experts=claimed_experts,
             prefetch_coverage=ratio(c.prefetch_hit_bytes, c.prefetch_hit_bytes + c.miss_bytes),
-            prefetch_waste_bytes=c.prefetch_waste_bytes,
-            fetch_errors=c.fetch_errors,
         )
 
     def as_dict(self) -> dict:
