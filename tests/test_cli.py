@@ -88,7 +88,7 @@ def test_prompt_ids_and_sampling_flags(capsys, tiny_target):
 
 def test_invalid_sampling_value_is_a_clear_error(capsys, tiny_target):
     assert main(["generate", "--target", str(tiny_target), "--prompt-ids", "1", "--temperature", "-1"]) == 2
-    assert "temperature must be a finite number >= 0, got -1" in capsys.readouterr().err
+    assert "temperature=-1.0 is invalid: it must be a finite number >= 0" in capsys.readouterr().err
 
 
 def test_missing_target_is_a_clear_error(capsys, tmp_path):

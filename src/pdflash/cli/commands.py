@@ -17,7 +17,7 @@ from pathlib import Path
 import attrs
 
 from pdflash.cli.errors import EXIT_FILE, EXIT_MODEL, UserError
-from pdflash.cli.options import check_device, engine_options
+from pdflash.cli.options import check_device, engine_options, load_engine
 from pdflash.errors import CheckpointError
 from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams
@@ -52,24 +52,11 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     import anyio
 
-    from pdflash.engine.async_engine import AsyncEngine
-
     try:
         check_device(args.device)
         budgets, offload = engine_options(args)
         params = _sampling(args, args.target)
-        engine = AsyncEngine.from_pretrained(
-            args.target,
-            None if args.no_spec else args.drafter,
-            block_size=args.block_size,
-            projector=args.projector,
-            dtype=args.dtype,
-            device=args.device,
-            progress=not args.json,
-            max_num_seqs=1,
-            offload=offload,
-            **budgets,
-        )
+        engine = load_engine(args, budgets, offload, progress=not args.json, max_num_seqs=1)
         prompt = _prompt_ids(args, engine.tokenizer)
         result = anyio.run(_generate_one, engine, prompt, params, not args.json)
     except CheckpointError as exc:

@@ -1,8 +1,8 @@
 """What `pdflash generate` and `serve` share: the device checked, the model and its options resolved.
 
 Owns turning the model, verify-budget and offload flags into `AsyncEngine.from_pretrained`'s
-options (the built-in model when no --target is given), and the check that --device exists
-on this machine. Must not start an engine.
+options (the built-in model when no --target is given), loading the engine with them, and
+the check that --device exists on this machine. Must not run the engine.
 """
 
 from __future__ import annotations
@@ -48,3 +48,20 @@ def engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
         "policy": args.eviction,
         "link_gbps": args.emulate_link_gbps,
     }
+
+
+def load_engine(args: argparse.Namespace, budgets: dict, offload: dict | None, **options):
+    """The engine the model flags name (`engine_options` resolved them), with `options` for the command."""
+    from pdflash.engine.async_engine import AsyncEngine
+
+    return AsyncEngine.from_pretrained(
+        args.target,
+        None if args.no_spec else args.drafter,
+        block_size=args.block_size,
+        projector=args.projector,
+        dtype=args.dtype,
+        device=args.device,
+        offload=offload,
+        **options,
+        **budgets,
+    )

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pdflash.cli.errors import EXIT_ADDRESS, EXIT_MODEL, UserError
-from pdflash.cli.options import check_device, engine_options
+from pdflash.cli.options import check_device, engine_options, load_engine
 from pdflash.errors import CheckpointError
 
 API_KEY_ENV = "PDFLASH_API_KEY"
@@ -45,7 +45,6 @@ def server_settings(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pdflash.engine.async_engine import AsyncEngine
     from pdflash.server import create_app
     from pdflash.server.background import server_config
     from pdflash.server.shutdown import GracefulServer
@@ -55,18 +54,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         budgets, offload = engine_options(args)
         settings = server_settings(args)
         sock = _bind(args.host, args.port)
-        engine = AsyncEngine.from_pretrained(
-            args.target,
-            None if args.no_spec else args.drafter,
-            block_size=args.block_size,
-            projector=args.projector,
-            dtype=args.dtype,
-            device=args.device,
-            progress=True,
-            max_num_seqs=args.max_num_seqs,
-            max_waiting=args.max_waiting,
-            offload=offload,
-            **budgets,
+        engine = load_engine(
+            args, budgets, offload, progress=True, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting
         )
         app = create_app(engine, settings)
     except CheckpointError as exc:
