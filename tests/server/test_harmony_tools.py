@@ -12,8 +12,7 @@ import json
 
 import openai
 import pytest
-from scripted_output import ScriptedSampler, streamed_calls
-from websockets.sync.client import connect
+from scripted_output import WEATHER, ScriptedSampler, record_prompts, reply_parts, streamed_calls, ws_generation
 
 import pdflash.spec.speculator
 from pdflash.engine.async_engine import AsyncEngine
@@ -21,14 +20,6 @@ from pdflash.server import BackgroundServer, ServerSettings, create_app
 from pdflash.target.tiny_gpt_oss import write_tiny_gpt_oss
 
 MODEL = "tiny-gpt-oss"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 QUESTION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"}]
 REASONING = "The user wants the weather; call the tool."
 CALL = (  # what gpt-oss writes after the prompt's <|start|>assistant
@@ -54,14 +45,7 @@ def served(checkpoint):
     engine = AsyncEngine.from_pretrained(checkpoint, None, max_num_seqs=2)
     eos = json.loads((checkpoint / "config.json").read_text())["eos_token_id"]
     assert eos == engine.tokenizer.token_id("<|return|>") != engine.tokenizer.token_id("<|call|>")
-    prompts: list[str] = []
-    generate = engine.generate
-
-    def recording_generate(prompt, *args, **kwargs):  # a spy: records (as text), changes nothing
-        prompts.append(engine.tokenizer.decode(prompt) if isinstance(prompt, list) else prompt)
-        return generate(prompt, *args, **kwargs)
-
-    engine.generate = recording_generate
+    prompts = record_prompts(engine)
     sampler = ScriptedSampler(engine.tokenizer, end="<|return|>")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pdflash.spec.speculator, "sample", sampler)
@@ -159,14 +143,7 @@ def test_malformed_calls_are_plain_content_not_an_error(served, client, text, co
     _, sampler, _, _ = served
     sampler.say(text)
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER], stream=stream)
-    if stream:
-        chunks = list(response)
-        got = "".join(c.choices[0].delta.content or "" for c in chunks)
-        calls, reason = streamed_calls(chunks), chunks[-1].choices[0].finish_reason
-    else:
-        message = response.choices[0].message
-        got, calls, reason = message.content, message.tool_calls or [], response.choices[0].finish_reason
-    assert (got, calls, reason) == (content, [], "stop")
+    assert reply_parts(response, stream) == (content, [], "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -179,17 +156,7 @@ def test_a_named_tool_choice_opens_the_turn_with_that_call(served, client, refer
     )
     forced = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
     assert prompts[-1] == rendered(reference, QUESTION, [WEATHER]) + forced
-    if stream:
-        chunks = list(response)
-        (call,) = streamed_calls(chunks)
-        name, arguments, reason = call["name"], call["arguments"], chunks[-1].choices[0].finish_reason
-    else:
-        (tool_call,) = response.choices[0].message.tool_calls
-        name, arguments, reason = (
-            tool_call.function.name,
-            tool_call.function.arguments,
-            response.choices[0].finish_reason,
-        )
+    _, [(name, arguments)], reason = reply_parts(response, stream)
     assert (name, json.loads(arguments), reason) == ("get_weather", {"city": "Oslo"}, "tool_calls")
 
 
@@ -197,15 +164,7 @@ def test_websocket_chat_streams_the_call_and_ends_with_tool_calls(served, refere
     server, sampler, prompts, _ = served
     sampler.say(CALL + AFTER_THE_CALL)
     start = {"type": "start", "id": 3, "messages": QUESTION, "tools": [WEATHER], "params": {"max_tokens": 200}}
-    with connect(server.ws_url) as ws:
-        ws.send(json.dumps(start))
-        deltas, done = [], None
-        while done is None:
-            msg = json.loads(ws.recv())
-            if msg["type"] == "delta" and msg["id"] == 3:
-                deltas.append(msg["delta"])
-            elif msg["type"] in ("done", "error"):
-                done = msg
+    deltas, done = ws_generation(server.ws_url, start)
     assert prompts[-1] == rendered(reference, QUESTION, [WEATHER])
     assert done["type"] == "done" and done["finish_reason"] == "tool_calls"
     calls = [c for d in deltas for c in d.get("tool_calls", [])]

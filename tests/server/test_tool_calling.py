@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from scripted_output import ScriptedSampler, streamed_calls
+from scripted_output import WEATHER, ScriptedSampler, record_prompts, reply_parts, streamed_calls, ws_generation
 from websockets.sync.client import connect
 
 import pdflash.spec.speculator
@@ -26,14 +26,6 @@ from pdflash.server.errors import APIError
 
 TEMPLATE = Path(__file__).parents[1] / "chat" / "fixtures" / "qwen3_chat_template.jinja"
 MODEL = "tiny"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 QUESTION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"}]
 THINK_THEN_CALL = (
     "<think>\nThe user wants the weather; call the tool.\n</think>\n\n"
@@ -45,14 +37,7 @@ THINK_THEN_CALL = (
 def served(tiny_target):
     """(server, sampler, prompts the engine was asked to continue)."""
     engine = AsyncEngine.from_pretrained(tiny_target, None, max_num_seqs=2)
-    prompts: list[str] = []
-    generate = engine.generate
-
-    def recording_generate(prompt, *args, **kwargs):  # a spy: records (as text), changes nothing
-        prompts.append(engine.tokenizer.decode(prompt) if isinstance(prompt, list) else prompt)
-        return generate(prompt, *args, **kwargs)
-
-    engine.generate = recording_generate
+    prompts = record_prompts(engine)
     sampler = ScriptedSampler(engine.tokenizer)
     settings = ServerSettings(model_name=MODEL, default_max_tokens=200, chat_template=TEMPLATE)
     with pytest.MonkeyPatch.context() as patch:
@@ -171,17 +156,7 @@ def test_forced_tool_choice_starts_the_turn_with_a_call(
     )
     rendered = expected_prompt(transformers_tokenizer, QUESTION, [WEATHER])
     assert prompts[-1] == rendered + "<think>\n\n</think>\n\n<tool_call>\n" + forced  # the turn opens with a call
-    if stream:
-        chunks = list(response)
-        (call,) = streamed_calls(chunks)
-        name, arguments, reason = call["name"], call["arguments"], chunks[-1].choices[0].finish_reason
-    else:
-        (tool_call,) = response.choices[0].message.tool_calls
-        name, arguments, reason = (
-            tool_call.function.name,
-            tool_call.function.arguments,
-            response.choices[0].finish_reason,
-        )
+    _, [(name, arguments)], reason = reply_parts(response, stream)
     assert (name, json.loads(arguments), reason) == ("get_weather", {"city": "Oslo"}, "tool_calls")
 
 
@@ -199,14 +174,7 @@ def test_malformed_tool_call_text_is_plain_content_not_an_error(served, client, 
     _, sampler, _ = served
     sampler.say("Let me look. " + text)
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER], stream=stream)
-    if stream:
-        chunks = list(response)
-        content = "".join(c.choices[0].delta.content or "" for c in chunks)
-        calls, reason = streamed_calls(chunks), chunks[-1].choices[0].finish_reason
-    else:
-        message = response.choices[0].message
-        content, calls, reason = message.content, message.tool_calls or [], response.choices[0].finish_reason
-    assert (content, calls, reason) == ("Let me look. " + text, [], "stop")
+    assert reply_parts(response, stream) == ("Let me look. " + text, [], "stop")
 
 
 def test_json_that_breaks_after_a_streamed_call_began_keeps_the_text_as_written(served, client):
@@ -257,15 +225,7 @@ def test_websocket_chat_starts_take_tools_and_stream_parsed_deltas(served, trans
         "chat_template_kwargs": {"enable_thinking": True},
         "params": {"max_tokens": 200},
     }
-    with connect(server.ws_url) as ws:
-        ws.send(json.dumps(start))
-        deltas, done = [], None
-        while done is None:
-            msg = json.loads(ws.recv())
-            if msg["type"] == "delta" and msg["id"] == 7:
-                deltas.append(msg["delta"])
-            elif msg["type"] in ("done", "error"):
-                done = msg
+    deltas, done = ws_generation(server.ws_url, start)
     assert prompts[-1] == expected_prompt(transformers_tokenizer, QUESTION, [WEATHER], enable_thinking=True)
     assert done["type"] == "done" and done["finish_reason"] == "tool_calls"
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
