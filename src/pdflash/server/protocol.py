@@ -112,8 +112,8 @@ def sampling_params(
         kwargs["logprobs"] = logprobs
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:  # SamplingParams messages start with the field name
-        field = str(exc).split(maxsplit=1)[0]
+    except ValueError as exc:  # SamplingParams messages start with the field name ("temperature=-1 is ...")
+        field = str(exc).split(maxsplit=1)[0].split("=", 1)[0]
         raise invalid(str(exc), param=wire_names.get(field, field) if field in SAMPLING_TYPES else None) from None
 
 
