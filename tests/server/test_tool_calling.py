@@ -21,7 +21,8 @@ from pdflash.chat.families import PLAIN
 from pdflash.chat.template import ChatTemplate
 from pdflash.engine.async_engine import AsyncEngine
 from pdflash.server import BackgroundServer, ServerSettings, create_app
-from pdflash.server.chat import ChatSetup, parse_chat_request, prepare_turn
+from pdflash.server.chat import ChatSetup, prepare_turn
+from pdflash.server.chat_request import parse_chat_request
 from pdflash.server.errors import APIError
 
 TEMPLATE = Path(__file__).parents[1] / "chat" / "fixtures" / "qwen3_chat_template.jinja"
