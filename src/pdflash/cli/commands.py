@@ -97,6 +97,7 @@ async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo:
         "token_ids": token_ids,
         "text": text,
         "acceptance_lengths": list(m.acceptance_lengths),
+        "block_sizes": list(m.block_sizes),
         "stats": {
             "prompt_tokens": m.prompt_tokens,
             "generated_tokens": n,

@@ -28,13 +28,15 @@ def check_device(device: str) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
-    """Resolve the default model and read the verify budgets and offload flags shared by generate and serve."""
+    """Resolve the default model; read the engine settings (speculation, verify budgets) and the offload
+    flags shared by generate and serve."""
     from pdflash.engine.config import VERIFY_BUDGETS
 
     if args.target is None:
         args.target = default_target()
         args.drafter = args.drafter or default_drafter(args.target)
     budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
+    budgets["speculation"] = args.speculation
     if args.expert_cache_bytes is None and args.expert_cache_fraction is None:
         if args.emulate_link_gbps is not None:
             raise ValueError(
