@@ -76,7 +76,8 @@ def test_every_projector_sums_bytes_exactly_over_mixed_block_lengths(loaded, dra
         spec = speculator(loaded, drafter, projector, expert_nbytes=nbytes, block_size=4, resident=lambda: resident)
         sessions = spec.begin_sessions([(p, SamplingParams(max_tokens=12)) for p in PROMPTS])
         while live := [s for s in sessions if not s.finished]:
-            for draft in spec.draft_rounds(live):
+            sizes = [(1, 4, 2, 3)[i % 4] for i in range(len(live))]  # 1: the anchor alone, no drafter output
+            for draft in spec.draft_rounds(live, sizes):
                 assert draft.expert_bytes == sum(nbytes[k] for k in draft.expert_union)
                 assert draft.fetch_bytes == sum(nbytes[k] for k in draft.expert_union if k not in resident)
                 assert all(k in nbytes for k in draft.expert_union)
@@ -196,7 +197,8 @@ def test_builder_defaults_to_the_route_head_beside_the_drafter(tiny_target, head
 
 
 def test_train_route_head_command_writes_a_loadable_head(capsys, loaded, tiny_target, tmp_path):
-    from pdflash.cli import EXIT_USAGE, main
+    from pdflash.cli import main
+    from pdflash.cli.errors import EXIT_USAGE
 
     files = []
     for i in range(10):

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pdflash.cli.commands import EXIT_FILE, EXIT_MODEL, UserError
+from pdflash.cli.errors import EXIT_FILE, EXIT_MODEL, UserError
 from pdflash.errors import CheckpointError
 
 
