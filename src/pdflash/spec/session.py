@@ -29,6 +29,9 @@ class DraftResult:
     expert_bytes: int  # exact Σ of the byte map over expert_union
     fetch_bytes: int  # the part of expert_bytes not resident at projection time
     projection_s: float  # this session's share of the batched projection
+    # [b-1, V] the distribution q each draft was drawn from (rejection sampling tests against it);
+    # None: point masses, i.e. argmax drafts (greedy) or a block set by hand
+    draft_probs: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def tokens(self) -> int:

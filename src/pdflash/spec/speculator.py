@@ -14,7 +14,8 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from pdflash.measure import tokens_per_second
-from pdflash.sampling import SamplingParams, adjust_logits, sample, token_logprobs
+from pdflash.sampling import SamplingParams, adjust_logits, probabilities, sample, token_logprobs
+from pdflash.spec import rejection
 from pdflash.spec.drafter import DFlashDrafter
 from pdflash.spec.projection import ProjectionQuality, make_projector, routed_union, union_bytes
 from pdflash.spec.session import DraftResult, RoundOrderError, RoundTrace, SpecSession, VerifyResult
@@ -117,15 +118,16 @@ class Speculator:
             if s.pending is not None:
                 raise RoundOrderError("draft_round twice without a verify_round in between")
         sizes = [min(self.block_size, s.rule.max_new_tokens - len(s.emitted) + 1) for s in sessions]
-        blocks = self._drafted_blocks(sessions, sizes)
+        blocks, draft_probs = self._drafted_blocks(sessions, sizes)
         started = time.perf_counter()
         unions = self.projector.project(self, sessions, blocks)
         share = (time.perf_counter() - started) / len(sessions)
         resident = self.resident()
         results = []
-        for s, block, union in zip(sessions, blocks, unions):
+        for s, block, q, union in zip(sessions, blocks, draft_probs, unions):
             s.pending = DraftResult(
                 block=tuple(block.tolist()),
+                draft_probs=q,
                 expert_union=union,
                 expert_bytes=union_bytes(union, self.expert_nbytes),
                 fetch_bytes=union_bytes(union - set(resident), self.expert_nbytes),
@@ -135,10 +137,13 @@ class Speculator:
             results.append(s.pending)
         return results
 
-    def _drafted_blocks(self, sessions: Sequence[SpecSession], sizes: list[int]) -> list[torch.Tensor]:
+    def _drafted_blocks(
+        self, sessions: Sequence[SpecSession], sizes: list[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Each session's [b] anchor + drafts, and the [b-1, V] q its drafts were drawn from (None: argmax)."""
         anchors = [torch.tensor([s.anchor], dtype=torch.int64) for s in sessions]
         if self.drafter is None:
-            return anchors
+            return anchors, [None] * len(sessions)
         mask = self.drafter.config.mask_token_id
         noisy = [torch.cat([a, torch.full((n - 1,), mask, dtype=torch.int64)]) for a, n in zip(anchors, sizes)]
         contexts, caches = [], []
@@ -150,7 +155,13 @@ class Speculator:
         logits = self.drafter.draft_logits(contexts, noisy, caches)
         for s in sessions:
             s.context = None
-        return [torch.cat([a, lg.argmax(dim=-1).cpu()]) for a, lg in zip(anchors, logits)]
+        proposals = [
+            rejection.propose(
+                lg, s.params, s.generator, prompt_ids=s.prompt_ids, output_ids=s.emitted, stop_ids=s.rule.stop_ids
+            )
+            for s, lg in zip(sessions, logits)
+        ]
+        return [torch.cat([a, drafts.cpu()]) for a, (drafts, _) in zip(anchors, proposals)], [q for _, q in proposals]
 
     # -- verify --------------------------------------------------------------------------
     def verify_round(self, session: SpecSession) -> VerifyResult:
@@ -163,26 +174,61 @@ class Speculator:
         out = self.target.forward(blocks, [s.target_cache for s in sessions], taps=self.taps)
         share = (time.perf_counter() - started) / len(sessions)
         taps = out.split_taps()
+        logits = out.split(out.logits)
+        choices = self._next_tokens(sessions, blocks, drafts, logits)
         return [
-            self._accept(s, block, logits, routed, tap, share)
-            for s, block, logits, routed, tap in zip(
-                sessions, blocks, out.split(out.logits), out.split(out.routed), taps
-            )
+            self._accept(s, block, choice, lg, routed, tap, share)
+            for s, block, choice, lg, routed, tap in zip(sessions, blocks, choices, logits, out.split(out.routed), taps)
         ]
 
-    def _accept(self, s: SpecSession, block, logits, routed, taps, verify_s: float) -> VerifyResult:
-        adjusted = adjust_logits(  # row j continues the drafts before it
-            logits,
-            s.params,
-            prompt_ids=s.prompt_ids,
-            output_ids=s.emitted,
-            drafted=block[1:].tolist(),
-            stop_ids=s.rule.stop_ids,
-        )
-        posterior = sample(adjusted, s.params, s.generator).cpu()  # [b] target's token after each block position
-        matches = (block[1:] == posterior[:-1]).int().cumprod(dim=0)  # [b-1]
-        accepted = int(matches.sum())
-        kept, finish = s.rule.clip(len(s.emitted), block[1 : accepted + 1].tolist() + [int(posterior[accepted])])
+    def _next_tokens(
+        self,
+        sessions: Sequence[SpecSession],
+        blocks: Sequence[torch.Tensor],
+        drafts: Sequence[DraftResult],
+        logits: Sequence[torch.Tensor],
+    ) -> list[tuple[int, int]]:
+        """Per session (drafts accepted, the target's token after them) from its [b, V] verify logits.
+
+        Greedy sessions and blocks without drafts take the target's own token at each position
+        (argmax, or a plain sample) and accept the drafts equal to it; sampled blocks with
+        drafts go through `rejection.accept` together, against the q they were drawn from.
+        """
+        choices: dict[int, tuple[int, int]] = {}
+        sampled: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (index, p [b, V], q [b-1, V])
+        for i, (s, block, draft, lg) in enumerate(zip(sessions, blocks, drafts, logits)):
+            adjusted = adjust_logits(  # row j continues the drafts before it
+                lg,
+                s.params,
+                prompt_ids=s.prompt_ids,
+                output_ids=s.emitted,
+                drafted=block[1:].tolist(),
+                stop_ids=s.rule.stop_ids,
+            )
+            if s.params.greedy or len(block) == 1:
+                posterior = sample(adjusted, s.params, s.generator).cpu()  # [b] target's token after each position
+                accepted = int((block[1:] == posterior[:-1]).int().cumprod(dim=0).sum())
+                choices[i] = (accepted, int(posterior[accepted]))
+            else:
+                p = probabilities(adjusted, s.params)  # [b, V]
+                q = _draft_distribution(draft, block, p)  # [b-1, V]
+                sampled.append((i, p, q))
+        if sampled:
+            decided = rejection.accept_blocks(
+                [p for _, p, _ in sampled],
+                [q for _, _, q in sampled],
+                [blocks[i][1:] for i, _, _ in sampled],
+                [_generator(sessions[i]) for i, _, _ in sampled],
+            )
+            for (i, _, _), a, t in zip(sampled, *decided):
+                choices[i] = (a, t)
+        return [choices[i] for i in range(len(sessions))]
+
+    def _accept(
+        self, s: SpecSession, block, choice: tuple[int, int], logits, routed, taps, verify_s: float
+    ) -> VerifyResult:
+        accepted, next_token = choice
+        kept, finish = s.rule.clip(len(s.emitted), block[1 : accepted + 1].tolist() + [next_token])
         if s.params.logprobs is not None:  # emitted token k was sampled from row k (the raw logits)
             s.logprobs += token_logprobs(logits, kept, s.params.logprobs)
         s.emitted += kept
@@ -200,7 +246,7 @@ class Speculator:
             quality=ProjectionQuality.compare(pending.expert_union, actual, self.expert_nbytes),
         )
         s.trace.append(trace)
-        s.anchor, s.start = int(posterior[accepted]), s.start + accepted + 1
+        s.anchor, s.start = next_token, s.start + accepted + 1
         s.last_union, s.pending, s.finish_reason = actual, None, finish
         s.verify_s += verify_s
         return VerifyResult(
@@ -252,6 +298,20 @@ def speculative_generate(speculator: Speculator, prompt_ids: Sequence[int], para
         }
         | session.stats(),
     )
+
+
+def _draft_distribution(draft: DraftResult, block: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The [b-1, V] q the block's drafts were drawn from; a point mass at each draft when none was kept
+    (a block set by hand), which the rejection rule also keeps lossless."""
+    if draft.draft_probs is not None:
+        return draft.draft_probs.to(like.device)
+    return torch.nn.functional.one_hot(block[1:], like.shape[-1]).to(like)
+
+
+def _generator(session: SpecSession) -> torch.Generator:
+    if session.generator is None:
+        raise RoundOrderError("a sampled session has no generator (built without SamplingParams.generator)")
+    return session.generator
 
 
 def _pending_draft(session: SpecSession) -> DraftResult:
