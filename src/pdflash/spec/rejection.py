@@ -60,24 +60,29 @@ def propose(
 
 def accept_blocks(
     target_probs: Sequence[torch.Tensor],
-    draft_probs: Sequence[torch.Tensor],
+    draft_probs: Sequence[torch.Tensor | None],
     drafts: Sequence[torch.Tensor],
-    generators: Sequence[torch.Generator],
+    generators: Sequence[torch.Generator | None],
 ) -> tuple[list[int], list[int]]:
     """Blocks of different lengths b_i, decided in one `accept` → (drafts accepted, the token after them) each.
 
-    target_probs[i] [b_i, V], draft_probs[i] [b_i - 1, V], drafts[i] [b_i - 1]; uniforms come
-    from generators[i]. The blocks are padded to the longest.
+    target_probs[i] [b_i, V]; draft_probs[i] [b_i - 1, V], or None for drafts chosen without a
+    distribution (a block set by hand), which count as point masses, also lossless; drafts[i]
+    [b_i - 1]; uniforms come from generators[i]. The blocks are padded to the longest.
     """
     n, width = len(target_probs), max(int(p.shape[0]) for p in target_probs)
     device, vocab = target_probs[0].device, target_probs[0].shape[-1]
+    if any(g is None for g in generators):
+        raise ValueError("every sampled block needs its request's generator (SamplingParams.generator), got None")
     p_all = torch.zeros(n, width, vocab, device=device)  # [n, b, V]
     q_all = torch.zeros(n, width - 1, vocab, device=device)  # [n, b-1, V]
     ids = torch.zeros(n, width - 1, dtype=torch.int64, device=device)  # [n, b-1]
     counts = [int(x.numel()) for x in drafts]
     for i, (p, q, x, count) in enumerate(zip(target_probs, draft_probs, drafts, counts, strict=True)):
+        x = x.to(device)
+        q = torch.nn.functional.one_hot(x, vocab).to(p) if q is None else q.to(device)  # [count, V]
         p_all[i, : count + 1], q_all[i, :count], ids[i, :count] = p, q, x
-    test_u, resample_u = draw_uniforms(generators, counts, device)
+    test_u, resample_u = draw_uniforms([g for g in generators if g is not None], counts, device)
     accepted, tokens = accept(p_all, q_all, ids, torch.tensor(counts, device=device), test_u, resample_u)
     return accepted.tolist(), tokens.tolist()
 
