@@ -73,3 +73,29 @@ def test_rejection_on_the_device_decides_as_on_the_cpu(device):
     cpu = rejection.accept(p, q, drafts, counts, test_u, resample_u)
     on_device = rejection.accept(*(t.to(device) for t in (p, q, drafts, counts, test_u, resample_u)))
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, on_device))
+
+
+def test_route_head_projects_on_the_device_as_on_the_cpu(bundled_fp32, code_prompts):
+    """The bundled route head follows the target onto the device; its unions equal the CPU's."""
+    from pdflash.bundled import BUNDLED_DRAFTER
+    from pdflash.spec.projection import RouteHead, make_projector, route_head_path
+
+    head = RouteHead.load(route_head_path(BUNDLED_DRAFTER), bundled_fp32.loaded.model.config)
+    projector = make_projector("route-head", route_head=head)
+    spec = Speculator(
+        bundled_fp32.loaded.model,
+        bundled_fp32.drafter,
+        expert_nbytes=bundled_fp32.loaded.expert_nbytes,
+        projector=projector,
+    )
+    sessions = spec.begin_sessions([(p, GREEDY) for p in code_prompts])
+    drafts = spec.draft_rounds(sessions)
+    assert projector.head.weight.device.type == spec.target.device.type
+    cpu_embed = spec.target.embed.cpu()
+    for s, draft in zip(sessions, drafts):
+        tokens = torch.tensor((s.prompt_ids + s.emitted)[s.start - 2 : s.start] + list(draft.block))
+        probability = head.union_probability(head.logits(head.features(cpu_embed, tokens, len(draft.block))))
+        near = {(head.moe_layer_ids[i], e) for i, e in ((probability - head.threshold).abs() < 1e-4).nonzero().tolist()}
+        assert not (draft.expert_union ^ head.union(probability)) - near  # equal but for rounding at the threshold
+    for s in sessions:
+        spec.release(s)
