@@ -19,6 +19,8 @@ from pdflash.bundled import default_drafter, default_target
 from pdflash.engine.lanes import off_thread
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator
+from pdflash.spec.step_install import install_steps
+from pdflash.target.compiled import BATCH_BUCKETS
 from pdflash.target.experts import ExpertKey
 from pdflash.target.loader import LoadedTarget, load_target
 from pdflash.target.tokenizer import TextTokenizer
@@ -47,7 +49,7 @@ class EngineParts:
     provider: OffloadProvider | None  # the offloaded expert store, closed by whoever owns the engine
 
 
-BUILD_OPTIONS = ("block_size", "projector", "dtype", "device", "offload", "progress")  # build_engine_parts keywords
+BUILD_OPTIONS = ("block_size", "projector", "dtype", "device", "offload", "progress", "compile")  # build keywords
 
 
 def build_engine_parts(
@@ -61,13 +63,17 @@ def build_engine_parts(
     offload: Mapping[str, Any] | None = None,
     progress: bool = False,
     byte_budgets: bool = False,
+    compile: bool = False,
+    max_batch: int = BATCH_BUCKETS[-1],
 ) -> EngineParts:
     """Load a target (no target: the bundled pair) and optionally a DFlash drafter.
 
     `offload`: keywords of `pdflash.offload.load_offloaded_target` (expert_cache_fraction,
     link_gbps, ...) to serve experts from the host store. `projector` defaults to the router
     pass when its better coverage is used (offloading or `byte_budgets`), else the free
-    last-union (docs/speculative.md measures both).
+    last-union (docs/speculative.md measures both). `compile` runs decode, verify and draft
+    steps of up to `max_batch` sequences as compiled static-shape steps, compiled here
+    (warm-up, docs/compile.md); without it every forward is eager.
     """
     if projector is None:
         projector = "router" if offload is not None or byte_budgets else "last-union"
@@ -95,6 +101,8 @@ def build_engine_parts(
             block_size=block_size,
             resident=provider.resident if provider is not None else frozenset,
         )
+        if compile:
+            off_thread(lambda: install_steps(speculator, max_batch=max_batch, progress=progress))
     except BaseException:
         if provider is not None:
             provider.close()
