@@ -51,6 +51,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_device_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="run every forward eagerly: skip compiling the decode/verify/draft steps at start (docs/compile.md)",
+    )
 
 
 def _add_dtype_flag(p: argparse.ArgumentParser) -> None:

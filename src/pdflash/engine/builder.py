@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+import torch
 
 from pdflash.bundled import default_drafter, default_target
-from pdflash.engine.lanes import off_thread
+from pdflash.engine.lanes import lane_threads, off_thread
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator
 from pdflash.spec.step_install import install_steps
@@ -101,8 +102,9 @@ def build_engine_parts(
             block_size=block_size,
             resident=provider.resident if provider is not None else frozenset,
         )
-        if compile:
-            off_thread(lambda: install_steps(speculator, max_batch=max_batch, progress=progress))
+        if compile:  # on a thread of its own, at the lanes' thread counts (AsyncEngine.__aenter__)
+            threads = lane_threads(torch.get_num_threads(), drafter=draft_model is not None)
+            off_thread(lambda: install_steps(speculator, max_batch=max_batch, threads=threads, progress=progress))
     except BaseException:
         if provider is not None:
             provider.close()

@@ -115,8 +115,9 @@ class DraftSteps:
         self.drafter, self.buckets, self.compiled = drafter, buckets, compiled
         cfg = drafter.config
         device = drafter.embed.device
-        fn = partial(
-            draft_step,
+        step = compile_step(draft_step, device) if compiled else draft_step
+        self._step = partial(
+            step,
             rope_scale=drafter.rotary.scale,
             num_heads=cfg.num_heads,
             eps=cfg.rms_norm_eps,
@@ -126,7 +127,6 @@ class DraftSteps:
             causal=cfg.causal,
             window=cfg.sliding_window,
         )
-        self._step = compile_step(fn, device) if compiled else fn
         self._inv_freq = drafter.rotary.inv_freq.to(device)
         self._layers = tuple(
             (w.input_norm, w.post_attention_norm, w.q_proj, w.kv_proj, w.o_proj, w.q_norm, w.k_norm, *w.mlp, *w.biases)

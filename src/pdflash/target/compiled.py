@@ -60,7 +60,11 @@ class StepBuckets:
 
 
 def compile_step(fn: Callable, device: torch.device) -> Callable:
-    """torch.compile (inductor) of one step function; CUDA graphs on CUDA ("reduce-overhead")."""
+    """torch.compile (inductor) of one step function; CUDA graphs on CUDA ("reduce-overhead").
+
+    `fn` must be a plain function (bind constants around the result, not inside): dynamo keeps
+    one cache per code object, and wrapped partials would share one, chaining every step's guards.
+    """
     if device.type == "cuda":
         return torch.compile(fn, fullgraph=True, mode="reduce-overhead")
     return torch.compile(fn, fullgraph=True, options={"cpp_wrapper": CPP_WRAPPER})
@@ -75,30 +79,19 @@ class TargetSteps:
         cfg = model.config
         wrap = partial(compile_step, device=model.device) if compiled else (lambda fn: fn)
         self._inv_freq = model.rotary.inv_freq.to(model.device)
-        self._step = wrap(
-            partial(
-                steps.whole_step,
-                rope_scale=model.rotary.scale,
-                num_heads=cfg.num_heads,
-                eps=cfg.rms_norm_eps,
-                top_k=cfg.top_k,
-                norm_topk=cfg.norm_topk_prob,
-            )
-        )
+        consts = {
+            "num_heads": cfg.num_heads,
+            "eps": cfg.rms_norm_eps,
+            "top_k": cfg.top_k,
+            "norm_topk": cfg.norm_topk_prob,
+        }
+        self._step = partial(wrap(steps.whole_step), rope_scale=model.rotary.scale, **consts)
         self._inputs = wrap(steps.step_inputs)
-        self._attention = wrap(
-            partial(
-                steps.attention_step,
-                num_heads=cfg.num_heads,
-                eps=cfg.rms_norm_eps,
-                top_k=cfg.top_k,
-                norm_topk=cfg.norm_topk_prob,
-            )
-        )
+        self._attention = partial(wrap(steps.attention_step), **consts)
         self._gathered = wrap(steps.gathered_experts)
         self._dense = wrap(steps.dense_experts)
         self._dense_mlp = wrap(steps.dense_mlp)
-        self._head = wrap(partial(steps.head_step, eps=cfg.rms_norm_eps))
+        self._head = partial(wrap(steps.head_step), eps=cfg.rms_norm_eps)
         self.fallbacks: Counter[str] = Counter()  # reason -> eager forwards taken for it
         self.warm_up_s = 0.0
 
