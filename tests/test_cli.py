@@ -40,7 +40,12 @@ def test_json_contract_speculative_equals_no_spec(capsys, tiny_target, drafter_d
     ]
     spec = run_json(capsys, *common, "--block-size", "4")
     plain = run_json(capsys, *common, "--no-spec")
-    assert set(spec) == {"token_ids", "text", "acceptance_lengths", "stats"}
+    assert set(spec) == {"token_ids", "text", "acceptance_lengths", "block_sizes", "stats"}
+    assert len(spec["block_sizes"]) == len(spec["acceptance_lengths"]) and max(spec["block_sizes"]) <= 4
+    fixed = run_json(capsys, *common, "--block-size", "4", "--speculation", "fixed")
+    assert fixed["token_ids"] == plain["token_ids"]
+    emitted = [1 + sum(fixed["acceptance_lengths"][:i]) for i in range(len(fixed["block_sizes"]))]
+    assert fixed["block_sizes"] == [min(4, 24 - e + 1) for e in emitted]  # the whole block, clipped at the end
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
     assert plain["acceptance_lengths"] == [] or set(plain["acceptance_lengths"]) == {1}
     assert sum(spec["acceptance_lengths"]) == 23  # every token after the prefill's first comes from a round
@@ -88,7 +93,7 @@ def test_prompt_ids_and_sampling_flags(capsys, tiny_target):
 
 def test_invalid_sampling_value_is_a_clear_error(capsys, tiny_target):
     assert main(["generate", "--target", str(tiny_target), "--prompt-ids", "1", "--temperature", "-1"]) == 2
-    assert "temperature must be a finite number >= 0, got -1" in capsys.readouterr().err
+    assert "temperature=-1.0 is invalid: it must be a finite number >= 0" in capsys.readouterr().err
 
 
 def test_missing_target_is_a_clear_error(capsys, tmp_path):
@@ -230,11 +235,11 @@ def test_serve_flags_become_server_settings(monkeypatch, tiny_target):
     monkeypatch.setenv(cli.API_KEY_ENV, "sk-env")
     argv = ["serve", "--max-model-len", "512", "--max-body-bytes", "1000", "--allowed-origins", "https://a.example"]
     args = cli.build_parser().parse_args(argv)
-    cli._engine_options(args)
+    cli.engine_options(args)
     settings = cli.server_settings(args)
     assert settings.api_key == "sk-env" and settings.max_model_len == 512 and settings.limits.max_body_bytes == 1000
     assert settings.allowed_origins == ("https://a.example",) and settings.model_name == default_target().name
     assert settings.sampling_defaults == {"temperature": 0.7, "top_p": 0.95}  # the bundled generation_config.json
     greedy = cli.build_parser().parse_args(["serve", "--greedy", "--api-key", "sk-flag", "--target", str(tiny_target)])
-    cli._engine_options(greedy)
+    cli.engine_options(greedy)
     assert cli.server_settings(greedy).sampling_defaults == {} and cli.server_settings(greedy).api_key == "sk-flag"

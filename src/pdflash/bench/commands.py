@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pdflash.bench.configs import CONFIGS
 
 DEFAULT_PROFILE = "qwen3-30b-a3b@h200-pcie5"
-ALL_CONFIGS = ",".join(name for name, c in CONFIGS.items() if not c.derived)  # the simulator models these
+ALL_CONFIGS = ",".join(name for name, c in CONFIGS.items() if c.simulated)  # the simulator models these
 
 
 def _json_flag(p: argparse.ArgumentParser) -> None:
@@ -34,7 +35,9 @@ def _common(p: argparse.ArgumentParser, concurrency: list[int]) -> None:
         default=ALL_CONFIGS,
         help=f"comma-separated configurations, run side by side (default {ALL_CONFIGS}; "
         "B0 ar = autoregressive offloaded, B1 dflash-token = DFlash token-only scheduling, "
-        "B2 dflash-2d = DFlash 2-D (tokens, bytes) scheduling, B3 resident = DFlash, no offloading)",
+        "B2 dflash-2d = DFlash 2-D (tokens, bytes) scheduling, B3 resident = DFlash, no offloading; "
+        "engine-only: B2d dflash-derived = working-set budgets + yield order, B4 adaptive = the engine's "
+        "defaults (adaptive speculation + B2d's scheduling), B4t adaptive-token, B3a resident-adaptive)",
     )
     p.add_argument(
         "--concurrency", type=int, nargs="+", default=concurrency, help=f"closed-loop clients (default {concurrency})"
@@ -151,20 +154,20 @@ def _emit(args, header: dict, points, markdown: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pdflash.bench import bench_main
 
-    try:
-        check_positive(args)
-        return bench_main.run(args)
-    except ValueError as exc:
-        print(f"pdflash bench: {exc}", file=sys.stderr)
-        return 2
+    return _run("bench", bench_main.run, args)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pdflash.bench import simulate_main
 
+    return _run("simulate", simulate_main.run, args)
+
+
+def _run(name: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`run(args)` after the positive-value checks; a bad value is one line on stderr and exit code 2."""
     try:
         check_positive(args)
-        return simulate_main.run(args)
+        return run(args)
     except ValueError as exc:
-        print(f"pdflash simulate: {exc}", file=sys.stderr)
+        print(f"pdflash {name}: {exc}", file=sys.stderr)
         return 2

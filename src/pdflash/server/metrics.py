@@ -43,6 +43,7 @@ class ServerMetrics:
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # one declaration per series; what repeats below is prometheus_client's constructor shape, not logic
         self.requests = Counter(
             "pdflash_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
         )
@@ -67,6 +68,12 @@ class ServerMetrics:
         self.acceptance = Histogram(
             "pdflash_acceptance_length",
             "tokens emitted per verify round, bonus included",
+            buckets=ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
+        self.block = Histogram(
+            "pdflash_verify_block_tokens",
+            "tokens verified per round: the speculation policy's block (1 = plain decoding)",
             buckets=ACCEPTANCE_BUCKETS,
             registry=r,
         )
@@ -163,6 +170,7 @@ class Delta:
     """What one output delta adds, beyond its text and token ids."""
 
     acceptance_lengths: tuple[int, ...]  # verify rounds completed since the previous delta
+    block_sizes: tuple[int, ...]  # tokens those rounds verified (the speculation policy's choice)
     expert_bytes: int  # their projected expert-union bytes
     fetch_bytes: int  # the part not resident when projected
 
@@ -197,8 +205,12 @@ class RequestTracker:
         rounds = m.acceptance_lengths[self.rounds :]
         for length in rounds:
             self.metrics.acceptance.observe(length)
+        blocks = m.block_sizes[self.rounds :]
+        for block in blocks:
+            self.metrics.block.observe(block)
         delta = Delta(
             acceptance_lengths=tuple(rounds),
+            block_sizes=tuple(blocks),
             expert_bytes=m.expert_bytes - self.expert_bytes,
             fetch_bytes=m.fetch_bytes - self.fetch_bytes,
         )
@@ -219,6 +231,7 @@ class RequestTracker:
             "prompt_tokens": m.prompt_tokens,
             "generated_tokens": m.generated_tokens,
             "acceptance_lengths": lengths,
+            "block_sizes": list(m.block_sizes),
             "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
             "ttft_s": m.ttft_s,
             "tokens_per_second": tokens_per_second(self.tokens, self.first_at or 0.0, self.last_at or 0.0),

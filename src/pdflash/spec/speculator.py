@@ -9,12 +9,14 @@ anchor). It never schedules: callers decide which sessions run a round together.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 from pdflash.measure import tokens_per_second
-from pdflash.sampling import SamplingParams, adjust_logits, sample, token_logprobs
+from pdflash.sampling import SamplingParams, adjust_logits, probabilities, sample, token_logprobs
+from pdflash.spec import rejection
 from pdflash.spec.drafter import DFlashDrafter
 from pdflash.spec.projection import ProjectionQuality, make_projector, routed_union, union_bytes
 from pdflash.spec.session import DraftResult, RoundOrderError, RoundTrace, SpecSession, VerifyResult
@@ -110,47 +112,69 @@ class Speculator:
     def draft_round(self, session: SpecSession) -> DraftResult:
         return self.draft_rounds([session])[0]
 
-    def draft_rounds(self, sessions: Sequence[SpecSession]) -> list[DraftResult]:
+    def draft_rounds(self, sessions: Sequence[SpecSession], sizes: Sequence[int] | None = None) -> list[DraftResult]:
+        """Draft each session's next block: `sizes[i]` tokens, anchor included (default: the block size).
+
+        A size of 1 is plain decoding: the block is the anchor alone and the drafter does not run
+        for that session (its unseen context waits for the next round that drafts).
+        """
         for s in sessions:
             if s.finished:
                 raise RoundOrderError("draft_round on a finished session")
             if s.pending is not None:
                 raise RoundOrderError("draft_round twice without a verify_round in between")
-        sizes = [min(self.block_size, s.rule.max_new_tokens - len(s.emitted) + 1) for s in sessions]
-        blocks = self._drafted_blocks(sessions, sizes)
+        wanted = sizes if sizes is not None else [self.block_size] * len(sessions)
+        for size in wanted:
+            if not 1 <= size <= self.block_size:
+                raise ValueError(f"a drafted block holds 1..{self.block_size} tokens, got {size}")
+        sizes = [min(n, s.rule.max_new_tokens - len(s.emitted) + 1) for s, n in zip(sessions, wanted, strict=True)]
+        blocks, draft_probs = self._drafted_blocks(sessions, sizes)
         started = time.perf_counter()
         unions = self.projector.project(self, sessions, blocks)
         share = (time.perf_counter() - started) / len(sessions)
-        resident = self.resident()
+        resident = frozenset(self.resident())
         results = []
-        for s, block, union in zip(sessions, blocks, unions):
+        for s, block, q, union in zip(sessions, blocks, draft_probs, unions):
             s.pending = DraftResult(
                 block=tuple(block.tolist()),
+                draft_probs=q,
                 expert_union=union,
                 expert_bytes=union_bytes(union, self.expert_nbytes),
-                fetch_bytes=union_bytes(union - set(resident), self.expert_nbytes),
+                fetch_bytes=union_bytes(union - resident, self.expert_nbytes),
                 projection_s=share,
+                resident=resident,
             )
             s.projection_s += share
             results.append(s.pending)
         return results
 
-    def _drafted_blocks(self, sessions: Sequence[SpecSession], sizes: list[int]) -> list[torch.Tensor]:
-        anchors = [torch.tensor([s.anchor], dtype=torch.int64) for s in sessions]
-        if self.drafter is None:
-            return anchors
+    def _drafted_blocks(
+        self, sessions: Sequence[SpecSession], sizes: list[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Each session's [b] anchor + drafts, and the [b-1, V] q its drafts were drawn from (None: argmax)."""
+        blocks = [torch.tensor([s.anchor], dtype=torch.int64) for s in sessions]
+        probs: list[torch.Tensor | None] = [None] * len(sessions)
+        drafting = [i for i, n in enumerate(sizes) if n >= 2]
+        if self.drafter is None or not drafting:
+            return blocks, probs
         mask = self.drafter.config.mask_token_id
-        noisy = [torch.cat([a, torch.full((n - 1,), mask, dtype=torch.int64)]) for a, n in zip(anchors, sizes)]
-        contexts, caches = [], []
-        for s in sessions:
+        noisy, contexts, caches = [], [], []
+        for i in drafting:
+            s = sessions[i]
             if s.context is None or s.draft_cache is None:
                 raise RoundOrderError("draft_round on a session with no new target context (rounds out of order)")
+            noisy.append(torch.cat([blocks[i], torch.full((sizes[i] - 1,), mask, dtype=torch.int64)]))
             contexts.append(s.context)
             caches.append(s.draft_cache)
         logits = self.drafter.draft_logits(contexts, noisy, caches)
-        for s in sessions:
+        for i, lg in zip(drafting, logits, strict=True):
+            s = sessions[i]
             s.context = None
-        return [torch.cat([a, lg.argmax(dim=-1).cpu()]) for a, lg in zip(anchors, logits)]
+            drafts, probs[i] = rejection.propose(
+                lg, s.params, s.generator, prompt_ids=s.prompt_ids, output_ids=s.emitted, stop_ids=s.rule.stop_ids
+            )
+            blocks[i] = torch.cat([blocks[i], drafts.cpu()])
+        return blocks, probs
 
     # -- verify --------------------------------------------------------------------------
     def verify_round(self, session: SpecSession) -> VerifyResult:
@@ -163,31 +187,105 @@ class Speculator:
         out = self.target.forward(blocks, [s.target_cache for s in sessions], taps=self.taps)
         share = (time.perf_counter() - started) / len(sessions)
         taps = out.split_taps()
+        routes = [self._token_routes(r) for r in out.split(out.routed)]
+        position_bytes = self._position_fetch_bytes(drafts, routes)
+        logits = out.split(out.logits)
+        choices = self._next_tokens(sessions, blocks, drafts, logits)
         return [
-            self._accept(s, block, logits, routed, tap, share)
-            for s, block, logits, routed, tap in zip(
-                sessions, blocks, out.split(out.logits), out.split(out.routed), taps
+            self._accept(s, block, choice, lg, routed, tap, share, positions)
+            for s, block, choice, lg, routed, tap, positions in zip(
+                sessions, blocks, choices, logits, out.split(out.routed), taps, position_bytes
             )
         ]
 
-    def _accept(self, s: SpecSession, block, logits, routed, taps, verify_s: float) -> VerifyResult:
-        adjusted = adjust_logits(  # row j continues the drafts before it
-            logits,
-            s.params,
-            prompt_ids=s.prompt_ids,
-            output_ids=s.emitted,
-            drafted=block[1:].tolist(),
-            stop_ids=s.rule.stop_ids,
-        )
-        posterior = sample(adjusted, s.params, s.generator).cpu()  # [b] target's token after each block position
-        matches = (block[1:] == posterior[:-1]).int().cumprod(dim=0)  # [b-1]
-        accepted = int(matches.sum())
-        kept, finish = s.rule.clip(len(s.emitted), block[1 : accepted + 1].tolist() + [int(posterior[accepted])])
+    def _token_routes(self, routed: torch.Tensor) -> list[frozenset[ExpertKey]]:
+        """[n, L_moe, K] routed ids -> each token's (layer, expert) pairs."""
+        layers = self.target.config.moe_layer_ids
+        return [frozenset((l, e) for l, experts in zip(layers, token) for e in experts) for token in routed.tolist()]
+
+    def _position_fetch_bytes(
+        self, drafts: list[DraftResult], routes: list[list[frozenset[ExpertKey]]]
+    ) -> list[tuple[int, ...]]:
+        """Per session, per block position k: the link bytes token k's route brought, measured (the
+        policy's byte estimate). An expert counts if it was not resident when the block was drafted
+        nor routed by the session's own tokens before k; one the batch's other sessions also routed
+        is shared: each of the n sessions that routed it is charged 1/n of its bytes, so the charges
+        of one batch add up to what the batch fetched (charging shared experts to nobody would make
+        every block look free in a large batch)."""
+        unions = [frozenset().union(*r) for r in routes]
+        sessions_using = Counter(e for union in unions for e in union)
+        out = []
+        for draft, own in zip(drafts, routes, strict=True):
+            seen: set[ExpertKey] = set()
+            positions = []
+            for route in own:
+                new = route - seen - draft.resident
+                positions.append(round(sum(self.expert_nbytes[e] / sessions_using[e] for e in new)))
+                seen |= route
+            out.append(tuple(positions))
+        return out
+
+    def _next_tokens(
+        self,
+        sessions: Sequence[SpecSession],
+        blocks: Sequence[torch.Tensor],
+        drafts: Sequence[DraftResult],
+        logits: Sequence[torch.Tensor],
+    ) -> list[tuple[int, int]]:
+        """Per session (drafts accepted, the target's token after them) from its [b, V] verify logits.
+
+        Greedy sessions and blocks without drafts take the target's own token at each position
+        (argmax, or a plain sample) and accept the drafts equal to it; sampled blocks with
+        drafts go through `rejection.accept` together, against the q they were drawn from.
+        """
+        choices: dict[int, tuple[int, int]] = {}
+        sampled: list[tuple[int, torch.Tensor]] = []  # (index, p [b, V])
+        for i, (s, block, lg) in enumerate(zip(sessions, blocks, logits)):
+            adjusted = adjust_logits(  # row j continues the drafts before it
+                lg,
+                s.params,
+                prompt_ids=s.prompt_ids,
+                output_ids=s.emitted,
+                drafted=block[1:].tolist(),
+                stop_ids=s.rule.stop_ids,
+            )
+            if s.params.greedy or len(block) == 1:
+                posterior = sample(adjusted, s.params, s.generator).cpu()  # [b] target's token after each position
+                accepted = int((block[1:] == posterior[:-1]).int().cumprod(dim=0).sum())
+                choices[i] = (accepted, int(posterior[accepted]))
+            else:
+                sampled.append((i, probabilities(adjusted, s.params)))
+        if sampled:
+            decided = rejection.accept_blocks(
+                [p for _, p in sampled],
+                [drafts[i].draft_probs for i, _ in sampled],
+                [blocks[i][1:] for i, _ in sampled],
+                [sessions[i].generator for i, _ in sampled],
+            )
+            for (i, _), a, t in zip(sampled, *decided):
+                choices[i] = (a, t)
+        return [choices[i] for i in range(len(sessions))]
+
+    def _accept(
+        self,
+        s: SpecSession,
+        block,
+        choice: tuple[int, int],
+        logits,
+        routed,
+        taps,
+        verify_s: float,
+        position_fetch_bytes: tuple[int, ...],
+    ) -> VerifyResult:
+        accepted, next_token = choice
+        kept, finish = s.rule.clip(len(s.emitted), block[1 : accepted + 1].tolist() + [next_token])
         if s.params.logprobs is not None:  # emitted token k was sampled from row k (the raw logits)
             s.logprobs += token_logprobs(logits, kept, s.params.logprobs)
         s.emitted += kept
         s.target_cache.crop(s.start + accepted + 1)
-        s.context = taps[: accepted + 1] if taps is not None else None
+        if taps is not None:  # a session that skipped the drafter still holds unseen context
+            fresh = taps[: accepted + 1]
+            s.context = fresh if s.context is None else torch.cat([s.context, fresh])
         actual = routed_union(routed, self.target.config.moe_layer_ids)
         pending = _pending_draft(s)
         trace = RoundTrace(
@@ -198,9 +296,10 @@ class Speculator:
             fetch_bytes=pending.fetch_bytes,
             actual_bytes=union_bytes(actual, self.expert_nbytes),
             quality=ProjectionQuality.compare(pending.expert_union, actual, self.expert_nbytes),
+            position_fetch_bytes=position_fetch_bytes,
         )
         s.trace.append(trace)
-        s.anchor, s.start = int(posterior[accepted]), s.start + accepted + 1
+        s.anchor, s.start = next_token, s.start + accepted + 1
         s.last_union, s.pending, s.finish_reason = actual, None, finish
         s.verify_s += verify_s
         return VerifyResult(
