@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PDFLASH_NO_COMPILE", "1")  # CLI runs stay eager: compiled steps have their own tests
 # Triton reads this when a kernel is first decorated: set it before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))

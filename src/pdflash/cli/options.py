@@ -63,6 +63,7 @@ def load_engine(args: argparse.Namespace, budgets: dict, offload: dict | None, *
         projector=args.projector,
         dtype=args.dtype,
         device=args.device,
+        compile=not args.no_compile,
         offload=offload,
         **options,
         **budgets,

@@ -64,8 +64,18 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+NO_COMPILE_ENV = "PDFLASH_NO_COMPILE"  # =1: --no-compile by default (the test suite sets it)
+
+
 def _add_device_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        default=os.environ.get(NO_COMPILE_ENV) == "1",
+        help=f"run every forward eagerly: skip compiling the decode/verify/draft steps at start "
+        f"(default: compile, unless ${NO_COMPILE_ENV}=1; docs/compile.md)",
+    )
 
 
 def _add_dtype_flag(p: argparse.ArgumentParser) -> None:

@@ -123,11 +123,13 @@ class AsyncEngine:
 
         `options`: the keywords of `pdflash.engine.builder.build_engine_parts` (block_size,
         projector, dtype, device, offload={...} to serve experts from the host store — its
-        provider is closed on exit —, progress), and EngineConfig fields.
+        provider is closed on exit —, progress, compile), and EngineConfig fields.
         """
         build = {name: options.pop(name) for name in BUILD_OPTIONS if name in options}
         engine_config = EngineConfig(**options)
-        parts = build_engine_parts(target, drafter, byte_budgets=engine_config.two_dimensional, **build)
+        parts = build_engine_parts(
+            target, drafter, byte_budgets=engine_config.two_dimensional, max_batch=engine_config.max_num_seqs, **build
+        )
         try:
             engine = cls(parts.speculator, parts.tokenizer, engine_config, provider=parts.provider)
         except BaseException:

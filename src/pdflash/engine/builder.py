@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+import torch
 
 from pdflash.bundled import default_drafter, default_target
-from pdflash.engine.lanes import off_thread
+from pdflash.engine.lanes import lane_threads, off_thread
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.projection import RouteHead, make_projector, route_head_path
 from pdflash.spec.speculator import Speculator
+from pdflash.spec.step_install import install_steps
+from pdflash.target.compiled import BATCH_BUCKETS
 from pdflash.target.experts import ExpertKey
 from pdflash.target.loader import LoadedTarget, load_target
 from pdflash.target.tokenizer import TextTokenizer
@@ -48,7 +51,7 @@ class EngineParts:
     provider: OffloadProvider | None  # the offloaded expert store, closed by whoever owns the engine
 
 
-BUILD_OPTIONS = ("block_size", "projector", "dtype", "device", "offload", "progress")  # build_engine_parts keywords
+BUILD_OPTIONS = ("block_size", "projector", "dtype", "device", "offload", "progress", "compile")  # build keywords
 
 
 def build_engine_parts(
@@ -62,6 +65,8 @@ def build_engine_parts(
     offload: Mapping[str, Any] | None = None,
     progress: bool = False,
     byte_budgets: bool = False,
+    compile: bool = False,
+    max_batch: int = BATCH_BUCKETS[-1],
 ) -> EngineParts:
     """Load a target (no target: the bundled pair) and optionally a DFlash drafter.
 
@@ -70,6 +75,8 @@ def build_engine_parts(
     coverage is used (offloading or `byte_budgets`), to the trained route head found beside
     the drafter (or beside the bundled drafter for the bundled target, drafting or not), else
     to the router pass; otherwise to the free last-union (docs/speculative.md measures them).
+    `compile` runs decode, verify and draft steps of up to `max_batch` sequences as compiled
+    static-shape steps, compiled here (warm-up, docs/compile.md); without it every forward is eager.
     """
     if target is None:  # the bundled pair
         target, drafter = default_target(), drafter or default_drafter(default_target())
@@ -100,6 +107,9 @@ def build_engine_parts(
             block_size=block_size,
             resident=provider.resident if provider is not None else frozenset,
         )
+        if compile:  # on a thread of its own, at the lanes' thread counts (AsyncEngine.__aenter__)
+            threads = lane_threads(torch.get_num_threads(), drafter=draft_model is not None)
+            off_thread(lambda: install_steps(speculator, max_batch=max_batch, threads=threads, progress=progress))
     except BaseException:
         if provider is not None:
             provider.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -22,6 +22,9 @@ from pdflash.target.config import ModelConfig, RopeConfig, read_config_json, rop
 from pdflash.target.kv_cache import KVCache
 from pdflash.target.model import rms_norm, swiglu
 from pdflash.target.rope import Rotary, apply_rotary
+
+if TYPE_CHECKING:
+    from pdflash.spec.draft_steps import DraftSteps
 
 
 def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -143,6 +146,7 @@ class DFlashDrafter:
         self.embed = embed  # [V, H] the target's
         self.lm_head = lm_head  # [V, H] the target's
         self.rotary = Rotary(config.rope, config.head_dim)
+        self.steps: DraftSteps | None = None  # static-shape (compiled) draft steps, when installed
 
     def new_cache(self) -> KVCache:
         cfg = self.config
@@ -157,6 +161,11 @@ class DFlashDrafter:
         Returns per session [b_i - 1, V] float32 logits for positions start+1 … start+b_i-1.
         Each cache keeps the context K/V; block K/V are scratch.
         """
+        if self.steps is not None:
+            shape = self.steps.shape_of(contexts, blocks)
+            if not isinstance(shape, str):
+                return self.steps.draft_logits(contexts, blocks, caches, shape)
+            self.steps.fall_back(shape)
         cfg = self.config
         ctx_lens = [int(c.shape[0]) for c in contexts]
         block_lens = [int(b.numel()) for b in blocks]

@@ -9,6 +9,7 @@ crop) belongs to callers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -20,6 +21,9 @@ from pdflash.target.config import ModelConfig
 from pdflash.target.experts import ExpertProvider
 from pdflash.target.kv_cache import KVCache
 from pdflash.target.rope import Rotary, apply_rotary
+
+if TYPE_CHECKING:
+    from pdflash.target.compiled import TargetSteps
 
 
 @attrs.frozen(kw_only=True)
@@ -87,6 +91,7 @@ class Qwen3MoeModel:
         self.experts = experts
         self.rotary = Rotary(config.rope, config.head_dim)
         self.moe_index = {layer: i for i, layer in enumerate(config.moe_layer_ids)}
+        self.steps: TargetSteps | None = None  # static-shape (compiled) steps, when installed
 
     @property
     def dtype(self) -> torch.dtype:
@@ -116,6 +121,13 @@ class Qwen3MoeModel:
         `skip_experts` computes routing but not expert outputs (a router-only pass);
         `commit=False` leaves each cache's length unchanged (the K/V written past it are scratch).
         """
+        if self.steps is not None:
+            shape = self.steps.shape_of(token_ids, skip_experts)
+            if not isinstance(shape, str):
+                return self.steps.forward(
+                    token_ids, caches, shape, last_logits_only=last_logits_only, taps=taps, commit=commit
+                )
+            self.steps.fall_back(shape)
         cfg = self.config
         seq_lens = tuple(int(t.numel()) for t in token_ids)
         for cache, n in zip(caches, seq_lens, strict=True):

@@ -1,0 +1,227 @@
+"""Static-shape step functions of the Qwen3-MoE target over a padded batch (what `compiled.py` compiles).
+
+A step runs n new tokens for each of B padded sequences: shapes depend only on (B, n) and the
+key length S of the gathered past, never on the data. Attention reads the past K/V [B, kv, S, D]
+plus the new block under a `visible` mask (a past key is visible below the sequence's length,
+a new key causally), so padded rows and stale cache rows never reach a real token. Experts are
+computed from a wave's slot weights in one of two static forms: each assignment's weights
+gathered into a fused reduction (few assignments), or every slot as one dense matmul weighted by
+the routing (many). A slot map of -1 skips an expert, so offloaded waves run unchanged.
+
+Pure tensor functions with shape comments; no caches, providers or Python loops over tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pdflash.target.model import rms_norm
+
+
+def step_inputs(
+    ids: torch.Tensor,  # [B, n] int64 new tokens (padding anywhere past a sequence's count)
+    lengths: torch.Tensor,  # [B] int64 cached tokens per sequence (0 for a padded row)
+    past_keys: torch.Tensor,  # [..., S, D] the padded past: only its length S is read
+    embed: torch.Tensor,  # [V, H]
+    inv_freq: torch.Tensor,  # [D/2] float32
+    rope_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Embeddings [B, n, H], cos and sin [B, n, D], and the visible mask [B, n, S+n] bool."""
+    B, n = ids.shape
+    positions = lengths[:, None] + torch.arange(n, device=ids.device)  # [B, n]
+    freqs = positions.float()[..., None] * inv_freq  # [B, n, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [B, n, D]
+    cos, sin = ((emb.cos() * rope_scale).to(embed.dtype), (emb.sin() * rope_scale).to(embed.dtype))
+    past = torch.arange(past_keys.shape[-2], device=ids.device) < lengths[:, None]  # [B, S]
+    new = torch.ones((n, n), dtype=torch.bool, device=ids.device).tril()  # [n, n]
+    visible = torch.cat([past[:, None, :].expand(B, n, -1), new.expand(B, n, n)], dim=-1)  # [B, n, S+n]
+    return F.embedding(ids, embed), cos, sin, visible
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [B, heads, n, D] by cos, sin [B, n, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def masked_attention(
+    q: torch.Tensor,  # [B, heads, n, D]
+    past: tuple[torch.Tensor, torch.Tensor],  # keys and values [B, kv, S, D] of the padded past
+    new: tuple[torch.Tensor, torch.Tensor],  # keys and values [B, kv, n', D] of the block (or context + block)
+    visible: torch.Tensor,  # [B, n, S+n'] bool
+) -> torch.Tensor:
+    """Grouped-query attention -> [B, n, heads*D]; query head h reads kv head h // (heads / kv).
+
+    Past and new keys are scored apart and share one softmax, so the past is never copied.
+    """
+    B, heads, n, D = q.shape
+    kv, S = past[0].shape[1], past[0].shape[2]
+    group = heads // kv
+    q = q.reshape(B, kv, group * n, D) * D**-0.5
+    scores = torch.cat([q @ past[0].transpose(-1, -2), q @ new[0].transpose(-1, -2)], dim=-1)  # [B, kv, g*n, S+n']
+    scores = scores.masked_fill(~visible.repeat(1, group, 1)[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    out = probs[..., :S] @ past[1] + probs[..., S:] @ new[1]  # [B, kv, g*n, D]
+    return out.view(B, heads, n, D).transpose(1, 2).reshape(B, n, heads * D)
+
+
+def attention_step(
+    x: torch.Tensor,  # [B, n, H] residual stream before this layer's MLP output is added
+    mlp_out: torch.Tensor,  # [B*n, H] the previous layer's MLP output (zeros before layer 0)
+    cos: torch.Tensor,  # [B, n, D]
+    sin: torch.Tensor,  # [B, n, D]
+    visible: torch.Tensor,  # [B, n, S+n] bool
+    past_k: torch.Tensor,  # [B, kv, S, D]
+    past_v: torch.Tensor,  # [B, kv, S, D]
+    input_norm: torch.Tensor,  # [H]
+    qkv_proj: torch.Tensor,  # [(heads + 2*kv)*D, H]
+    qkv_bias: torch.Tensor | None,
+    o_proj: torch.Tensor,  # [H, heads*D]
+    o_bias: torch.Tensor | None,
+    q_norm: torch.Tensor,  # [D]
+    k_norm: torch.Tensor,  # [D]
+    post_norm: torch.Tensor,  # [H]
+    router: torch.Tensor | None,  # [E, H] for a MoE layer, None for a dense one
+    *,
+    num_heads: int,
+    eps: float,
+    top_k: int,
+    norm_topk: bool,
+) -> tuple[torch.Tensor, ...]:
+    """One layer up to its MLP: (the residual entering it [B, n, H] (the previous layer's output),
+    x after attention [B, n, H], h [B*n, H] normed for the MLP, new k and v [B, kv, n, D], and for
+    a MoE layer topk_ids [B*n, K] and topk_weights [B*n, K] float32)."""
+    B, n, H = x.shape
+    kv, D = past_k.shape[1], past_k.shape[3]
+    entering = x + mlp_out.view(B, n, H).to(x.dtype)
+    h = rms_norm(entering, input_norm, eps)
+    q, k, v = F.linear(h, qkv_proj, qkv_bias).split([num_heads * D, kv * D, kv * D], dim=-1)
+    q = rotate(rms_norm(q.view(B, n, num_heads, D), q_norm, eps).transpose(1, 2), cos, sin)  # [B, heads, n, D]
+    k = rotate(rms_norm(k.view(B, n, kv, D), k_norm, eps).transpose(1, 2), cos, sin)  # [B, kv, n, D]
+    v = v.view(B, n, kv, D).transpose(1, 2)  # [B, kv, n, D]
+    x = entering + F.linear(masked_attention(q, (past_k, past_v), (k, v), visible), o_proj, o_bias)
+    h = rms_norm(x, post_norm, eps).view(B * n, H)
+    if router is None:
+        return entering, x, h, k, v
+    probs = torch.softmax(F.linear(h, router), dim=-1, dtype=torch.float32)  # [B*n, E]
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [B*n, K]
+    if norm_topk:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return entering, x, h, k, v, topk_ids, topk_weights
+
+
+def gathered_experts(
+    h: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, K] int64
+    topk_weights: torch.Tensor,  # [T, K] float32
+    slot_of_expert: torch.Tensor,  # [E] int64, -1 = not in this wave
+    gate: torch.Tensor,  # [S, I, H]
+    up: torch.Tensor,  # [S, I, H]
+    down: torch.Tensor,  # [S, H, I]
+) -> torch.Tensor:
+    """Few assignments: each one's slot weights read inside fused reductions -> [T, H] float32."""
+    slot = slot_of_expert[topk_ids]  # [T, K]
+    weight = torch.where(slot >= 0, topk_weights, 0.0)  # [T, K] absent experts add nothing
+    slot = slot.clamp(min=0)
+    x = h[:, None, None, :]  # [T, 1, 1, H]
+    act = F.silu((x * gate[slot]).sum(-1)) * (x * up[slot]).sum(-1)  # [T, K, I]
+    y = (act[:, :, None, :] * down[slot]).sum(-1)  # [T, K, H]
+    return (y.float() * weight[..., None]).sum(1)
+
+
+def dense_experts(
+    h: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, K] int64
+    topk_weights: torch.Tensor,  # [T, K] float32
+    slot_of_expert: torch.Tensor,  # [E] int64, -1 = not in this wave
+    gate: torch.Tensor,  # [S, I, H]
+    up: torch.Tensor,  # [S, I, H]
+    down: torch.Tensor,  # [S, H, I]
+) -> torch.Tensor:
+    """Many assignments: every slot for every token in three matmuls, weighted by routing -> [T, H] float32."""
+    S, I, H = gate.shape
+    T = h.shape[0]
+    slot = slot_of_expert[topk_ids]  # [T, K]
+    slot = torch.where(slot >= 0, slot, S)  # absent experts land in a dropped column
+    weight = torch.zeros((T, S + 1), dtype=torch.float32, device=h.device).scatter_add(1, slot, topk_weights)[:, :S]
+    act = F.silu(h @ gate.view(S * I, H).T) * (h @ up.view(S * I, H).T)  # [T, S*I]
+    act = act.view(T, S, I) * weight[..., None].to(h.dtype)  # [T, S, I]
+    return torch.bmm(act.transpose(0, 1), down.transpose(1, 2)).float().sum(0)  # [T, H]
+
+
+def dense_mlp(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A dense (mlp_only) layer's SwiGLU: h [T, H] -> [T, H]."""
+    return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+
+
+def head_step(
+    x: torch.Tensor,  # [B, n, H]
+    mlp_out: torch.Tensor,  # [B*n, H] the last layer's MLP output
+    final_norm: torch.Tensor,  # [H]
+    lm_head: torch.Tensor,  # [V, H]
+    *,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last residual stream [B, n, H] and float32 logits [B, n, V]."""
+    B, n, H = x.shape
+    x = x + mlp_out.view(B, n, H).to(x.dtype)
+    return x, F.linear(rms_norm(x, final_norm, eps), lm_head).float()
+
+
+def whole_step(
+    ids: torch.Tensor,  # [B, n] int64
+    lengths: torch.Tensor,  # [B] int64
+    past_k: torch.Tensor,  # [L, B, kv, S, D]
+    past_v: torch.Tensor,  # [L, B, kv, S, D]
+    embed: torch.Tensor,  # [V, H]
+    inv_freq: torch.Tensor,  # [D/2] float32
+    layers: tuple[tuple[Any, ...], ...],  # per layer: attention_step's weights, in its order (None: no bias)
+    mlps: tuple[tuple[torch.Tensor, ...], ...],  # per layer: (gate, up, down) experts [E, ...] or dense [I, H] ...
+    final_norm: torch.Tensor,  # [H]
+    lm_head: torch.Tensor,  # [V, H]
+    *,
+    rope_scale: float,
+    num_heads: int,
+    eps: float,
+    top_k: int,
+    norm_topk: bool,
+    gathered: bool,  # expert form: gathered (few assignments) or dense (many)
+) -> tuple[torch.Tensor, ...]:
+    """Every layer in one graph, all experts resident (slot e holds expert e): (logits [B, n, V]
+    float32, new keys and values [L, B, kv, n, D], each layer's output [L, B, n, H], topk_ids
+    [B*n, L_moe, K])."""
+    x, cos, sin, visible = step_inputs(ids, lengths, past_k, embed, inv_freq, rope_scale)
+    B, n, H = x.shape
+    mlp_out = torch.zeros((B * n, H), dtype=torch.float32, device=x.device)
+    experts = gathered_experts if gathered else dense_experts
+    new_k, new_v, outputs, routed = [], [], [], []
+    for layer, (weights, mlp) in enumerate(zip(layers, mlps)):
+        outs = attention_step(
+            x, mlp_out, cos, sin, visible, past_k[layer], past_v[layer], *weights,
+            num_heads=num_heads, eps=eps, top_k=top_k, norm_topk=norm_topk,
+        )  # fmt: skip
+        entering, x, h, k, v = outs[:5]
+        if layer:
+            outputs.append(entering)
+        new_k.append(k)
+        new_v.append(v)
+        if len(outs) == 5:
+            mlp_out = dense_mlp(h, *mlp)
+            continue
+        topk_ids, topk_weights = outs[5:]
+        routed.append(topk_ids)
+        identity = torch.arange(mlp[0].shape[0], device=x.device)  # [E]
+        mlp_out = experts(h, topk_ids, topk_weights, identity, *mlp)
+    x, logits = head_step(x, mlp_out, final_norm, lm_head, eps=eps)
+    outputs.append(x)
+    routed_ids = torch.stack(routed, dim=1) if routed else topk_ids_none(B * n, top_k, x.device)
+    return logits, torch.stack(new_k), torch.stack(new_v), torch.stack(outputs), routed_ids
+
+
+def topk_ids_none(tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
+    """[T, 0, K] int64: the routed ids of a model without MoE layers."""
+    return torch.zeros((tokens, 0, top_k), dtype=torch.int64, device=device)
