@@ -164,7 +164,8 @@ class ReplicaFront:
             log.error("%s %s: the replica failed: %r", scope["method"], scope["path"], error)
             await relay.fail(error)
         finally:
-            messages.cancel()  # the replica's app sees its client leave (no-op once the stream ended)
+            if not relay.exhausted:  # the client left (or this task was cancelled): the replica's app sees it leave
+                messages.cancel()
             self.front.streams.close(name)
 
     def _route(self, scope: Scope, body: bytes) -> ReplicaRoute:
@@ -182,7 +183,7 @@ class ReplicaFront:
         key = uuid.uuid4().hex
         await receive()  # websocket.connect: the replica's app answers it (accept, or close)
         messages = self.replicas.stream("ws", key, portable_scope(scope))
-        accepted = False
+        accepted = closed = False
         try:
             hello = await messages.__anext__()  # {"type": "pdflash.replica", "replica": id}
             route: ReplicaRoute = ("replica", hello["replica"])
@@ -199,14 +200,18 @@ class ReplicaFront:
                 async for message in messages:
                     accepted = accepted or message["type"] == "websocket.accept"
                     await send(message)
-                    if message["type"] == "websocket.close":
+                    closed = message["type"] == "websocket.close"
+                    if closed:
                         break
+                else:
+                    closed = True  # the replica's session ended: the client had disconnected
                 tasks.cancel_scope.cancel()
         except Exception as error:
             log.error("websocket %s: the replica failed: %r", key, error)
             await _close_failed(send, accepted, error)
         finally:
-            messages.cancel()
+            if not closed:
+                messages.cancel()
 
 
 class _Relay:
@@ -217,6 +222,7 @@ class _Relay:
         self.started = False  # the response's start went out
         self.ended = False  # its last body chunk went out
         self.event_stream = False
+        self.exhausted = False  # the replica's stream ended by itself
 
     async def pump(self, messages: Any) -> None:
         async for message in messages:
@@ -226,6 +232,7 @@ class _Relay:
                 self.event_stream = media.startswith(b"text/event-stream")
             self.ended = message["type"] == "http.response.body" and not message.get("more_body", False)
             await self.send(message)
+        self.exhausted = True
 
     async def fail(self, error: Exception) -> None:
         failure = APIError(503, f"the replica serving this request failed: {error}", type=SERVER_ERROR, code=REPLICA_FAILED)

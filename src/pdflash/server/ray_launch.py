@@ -49,11 +49,15 @@ class ReplicaOptions:
     cpus_per_replica: float = attrs.field(default=1.0, validator=_positive)  # Ray CPUs each replica reserves
     gpus_per_replica: float = attrs.field(default=0.0, validator=_non_negative)  # Ray GPUs each replica reserves
     session_field: str | None = None  # request field whose value keeps a conversation on one replica
-    local_cpus: int | None = None  # CPUs of a local instance (None: the machine's)
 
     @property
     def torch_threads(self) -> int:
         return max(1, math.floor(self.cpus_per_replica))
+
+    @property
+    def local_cpus(self) -> int:
+        """The CPUs a local instance gets: what the replicas reserve, so Ray leaves the rest of the machine alone."""
+        return math.ceil(self.replicas * self.cpus_per_replica)
 
 
 @contextlib.contextmanager
@@ -64,7 +68,13 @@ def ray_replicas(options: ReplicaOptions, spec: ReplicaSpec) -> Iterator[Replica
         if options.ray_address is None:
             ray.init(num_cpus=options.local_cpus, include_dashboard=False)
         else:
-            ray.init(address=options.ray_address)
+            try:
+                ray.init(address=options.ray_address)
+            except ConnectionError as exc:
+                raise ValueError(
+                    f"--ray-address {options.ray_address!r}: no Ray cluster answers there ({exc}); "
+                    "start one with `ray start --head` and give its address, or drop --ray-address"
+                ) from None
     own_instance = connected_here and options.ray_address is None
     try:
         _check_resources(options)
