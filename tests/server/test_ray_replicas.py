@@ -16,15 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
 pytest.importorskip("ray")
-import ray  # noqa: E402
+import ray
 
-from pdflash.engine.async_engine import AsyncEngine  # noqa: E402
-from pdflash.sampling import SamplingParams  # noqa: E402
-from pdflash.server import BackgroundServer, ServerSettings  # noqa: E402
-from pdflash.server.ray_front import ReplicaFront  # noqa: E402
-from pdflash.server.ray_launch import APP_NAME, DEPLOYMENT_NAME, ReplicaOptions, ray_replicas  # noqa: E402
-from pdflash.server.replica import ReplicaSpec  # noqa: E402
-from pdflash.target.tiny import write_tiny_drafter  # noqa: E402
+from pdflash.engine.async_engine import AsyncEngine
+from pdflash.sampling import SamplingParams
+from pdflash.server import BackgroundServer, ServerSettings
+from pdflash.server.ray_front import ReplicaFront
+from pdflash.server.ray_launch import APP_NAME, DEPLOYMENT_NAME, ReplicaOptions, ray_replicas
+from pdflash.server.replica import ReplicaSpec
+from pdflash.target.tiny import write_tiny_drafter
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny"

@@ -67,9 +67,10 @@ def test_sigterm_ends_streams_cleanly_and_stops_every_ray_process_it_started(tin
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line.startswith("data:")]
         rc = proc.wait(timeout=60)
+        err = proc.stderr.read()
     finally:
         proc.kill()
-    assert rc == 0
+    assert rc == 0 and "Traceback" not in err, err
     final = json.loads((rest[-2] if len(rest) > 1 else first)[5:])
     assert rest[-1] == "data: [DONE]" and final["choices"][0]["finish_reason"] == "abort", rest[-3:]
     deadline = time.monotonic() + 10

@@ -38,7 +38,8 @@ from pdflash.server.auth import AccessMiddleware
 from pdflash.server.errors import SERVER_ERROR, APIError
 from pdflash.server.limits import read_body
 from pdflash.server.prompts import shutting_down
-from pdflash.server.replica import REPLICA_HEADER, Route as ReplicaRoute, portable_scope
+from pdflash.server.replica import REPLICA_HEADER, portable_scope
+from pdflash.server.replica import Route as ReplicaRoute
 from pdflash.server.shutdown import Streams
 from pdflash.server.sse import DONE, event, unless_disconnected
 from pdflash.server.state import ServerSettings
@@ -136,7 +137,9 @@ class ReplicaFront:
             "live_sequences": sum(a["live"] for a in answers),
             "waiting": sum(a["waiting"] for a in answers),
         }
-        return JSONResponse(body, status_code=200 if ready else 503, headers=_replica_header(a["replica"] for a in ready))
+        return JSONResponse(
+            body, status_code=200 if ready else 503, headers=_replica_header(a["replica"] for a in ready)
+        )
 
     async def metrics(self, request: Request) -> Response:
         parts = sorted(await self.replicas.broadcast("metrics"))
@@ -235,7 +238,9 @@ class _Relay:
         self.exhausted = True
 
     async def fail(self, error: Exception) -> None:
-        failure = APIError(503, f"the replica serving this request failed: {error}", type=SERVER_ERROR, code=REPLICA_FAILED)
+        failure = APIError(
+            503, f"the replica serving this request failed: {error}", type=SERVER_ERROR, code=REPLICA_FAILED
+        )
         if not self.started:
             response = failure.response()
             await response({"type": "http"}, _no_receive, self.send)

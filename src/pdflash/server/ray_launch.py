@@ -19,16 +19,15 @@ from collections.abc import Iterator
 import attrs
 import ray
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 from pdflash.checks import at_least
 from pdflash.server.ray_front import ReplicaSet
 from pdflash.server.replica import EngineReplica, ReplicaSpec
-from pdflash.server.replica_router import ReplicaRouter
 
 log = logging.getLogger(__name__)
 APP_NAME = "pdflash"  # the Ray Serve application
 DEPLOYMENT_NAME = "EngineReplica"
+ROUTER = "pdflash.server.replica_router.ReplicaRouter"  # imported where the handle routes (the front)
 CONTROL_CALLS = 32  # ongoing requests a replica takes beyond its engine's queue (websocket messages)
 
 
@@ -80,14 +79,14 @@ def ray_replicas(options: ReplicaOptions, spec: ReplicaSpec) -> Iterator[Replica
         _check_resources(options)
         serve.start(proxy_location="Disabled")
         engine = spec.engine_options
-        deployment = serve.deployment(EngineReplica).options(
+        deployment = serve.deployment(
             name=DEPLOYMENT_NAME,
             num_replicas=options.replicas,
             ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
             max_ongoing_requests=engine.get("max_num_seqs", 64) + engine.get("max_waiting", 256) + CONTROL_CALLS,
-            request_router_config=RequestRouterConfig(request_router_class=ReplicaRouter),
+            request_router_config={"request_router_class": ROUTER},
             logging_config={"enable_access_log": False},  # a line per token stream and websocket message
-        )
+        )(EngineReplica)
         spec = attrs.evolve(spec, torch_threads=options.torch_threads)
         target = serve.RunTarget(deployment.bind(spec), name=APP_NAME, route_prefix=None)
         [handle] = serve.run_many([target], wait_for_applications_running=False)
@@ -113,4 +112,3 @@ def _check_resources(options: ReplicaOptions) -> None:
                 f"{options.replicas} replicas x {each:g} {name}s ({flag}) need {each * options.replicas:g} {name}s; "
                 f"the Ray cluster has {have:g}: use fewer replicas, a smaller {flag}, or add nodes"
             )
-

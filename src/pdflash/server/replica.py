@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Mapping, MutableMapping
 from contextlib import aclosing
 from typing import Any
 
@@ -41,7 +41,7 @@ SCOPE_KEYS = (  # the picklable parts of an ASGI scope (uvicorn's also holds the
 Route = tuple[str, str] | None  # ("replica", id) or ("session", key): read by the router only
 
 
-def portable_scope(scope: dict[str, Any]) -> dict[str, Any]:
+def portable_scope(scope: Mapping[str, Any]) -> dict[str, Any]:
     """The parts of an ASGI scope a replica's app needs, without the front's own objects."""
     return {key: scope[key] for key in SCOPE_KEYS if key in scope}
 
@@ -58,7 +58,7 @@ class ReplicaSpec:
 class EngineReplica:
     """The Ray Serve deployment class (ray_launch wraps it with `serve.deployment`)."""
 
-    async def __init__(self, spec: ReplicaSpec) -> None:
+    async def __init__(self, spec: ReplicaSpec) -> None:  # type: ignore[misc]  # Ray Serve awaits it
         import torch
         from ray import serve
 
@@ -71,7 +71,7 @@ class EngineReplica:
         engine = AsyncEngine.from_pretrained(options.pop("target"), options.pop("drafter", None), **options)
         self.app = create_app(engine, spec.settings)
         self.state = self.app.state.pdflash
-        self.sockets: dict[str, asyncio.Queue[dict[str, Any]]] = {}  # websocket key -> the app's inbox
+        self.sockets: dict[str, asyncio.Queue[MutableMapping[str, Any]]] = {}  # websocket key -> the app's inbox
         self._stop = asyncio.Event()
         ready = asyncio.Event()
         self._runner = asyncio.create_task(self._run(ready))
@@ -102,7 +102,12 @@ class EngineReplica:
 
     def health(self, route: Route = None) -> dict[str, Any]:
         s = self.state.engine.stats()
-        return {"replica": self.id, "running": self.state.engine.running, "live": s.live_sequences, "waiting": s.waiting}
+        return {
+            "replica": self.id,
+            "running": self.state.engine.running,
+            "live": s.live_sequences,
+            "waiting": s.waiting,
+        }
 
     def metrics(self, route: Route = None) -> tuple[str, bytes]:
         """(replica id, the app's Prometheus exposition)."""
@@ -112,7 +117,9 @@ class EngineReplica:
         """Shutdown's first step: refuse new work, abort live requests, wait for their final messages."""
         return await self.state.streams.drain(self.state.engine, timeout_s)
 
-    async def http(self, scope: dict[str, Any], body: bytes, route: Route = None) -> AsyncIterator[dict[str, Any]]:
+    async def http(
+        self, scope: dict[str, Any], body: bytes, route: Route = None
+    ) -> AsyncGenerator[MutableMapping[str, Any], None]:
         """Run one HTTP request through the app; yield the ASGI messages it sends.
 
         If the front cancels this call (its client left), the app sees `http.disconnect`,
@@ -129,32 +136,34 @@ class EngineReplica:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER, self.id.encode())]}
             outbox.put_nowait(message)
 
-        outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        outbox: asyncio.Queue[MutableMapping[str, Any] | None] = asyncio.Queue()
         async with aclosing(self._relay(self.app(dict(scope), receive, send), outbox, gone)) as messages:
             async for message in messages:
                 yield message
                 if message["type"] == "http.response.body" and not message.get("more_body", False):
                     return
 
-    async def ws(self, key: str, scope: dict[str, Any], route: Route = None) -> AsyncIterator[dict[str, Any]]:
+    async def ws(
+        self, key: str, scope: dict[str, Any], route: Route = None
+    ) -> AsyncGenerator[MutableMapping[str, Any], None]:
         """Run one websocket connection through the app: first `{"type": "pdflash.replica", "replica": id}`,
         then the ASGI messages the app sends. The client's messages arrive through `ws_receive(key, ...)`."""
-        inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        inbox: asyncio.Queue[MutableMapping[str, Any]] = asyncio.Queue()
         inbox.put_nowait({"type": "websocket.connect"})
         self.sockets[key] = inbox
         gone = asyncio.Event()
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "websocket.accept":
                 message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER, self.id.encode())]}
             outbox.put_nowait(message)
 
-        outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        outbox: asyncio.Queue[MutableMapping[str, Any] | None] = asyncio.Queue()
         yield {"type": "pdflash.replica", "replica": self.id}
         try:
             async with aclosing(self._relay(self.app(dict(scope), inbox.get, send), outbox, gone)) as messages:
@@ -174,8 +183,8 @@ class EngineReplica:
         inbox.put_nowait(message)
 
     async def _relay(
-        self, app_call: Any, outbox: asyncio.Queue[dict[str, Any] | None], gone: asyncio.Event
-    ) -> AsyncIterator[dict[str, Any]]:
+        self, app_call: Any, outbox: asyncio.Queue[MutableMapping[str, Any] | None], gone: asyncio.Event
+    ) -> AsyncGenerator[MutableMapping[str, Any], None]:
         """Run the app call in its own task; yield what it sends until it returns."""
         task = asyncio.ensure_future(app_call)
         task.add_done_callback(lambda _: outbox.put_nowait(None))
