@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.exceptions import ConnectionClosedError
 from websockets.sync.client import connect
 
 pytest.importorskip("ray")
@@ -172,37 +173,53 @@ def _replica_actor(replica_id):
 
 def test_a_killed_replica_ends_its_streams_with_an_error_and_ray_brings_it_back(cluster, client):
     url = cluster["server"].url
-    streams = []
-    for prompt in PROMPTS[:6]:
-        raw = client.completions.with_raw_response.create(
-            model=MODEL, prompt=prompt, max_tokens=400, temperature=0, stream=True
-        )
-        streams.append((raw.headers[HEADER], iter(raw.parse())))
-    victim = streams[0][0]
-    assert any(replica != victim for replica, _ in streams), "the streams landed on both replicas"
-    for _, chunks in streams:
-        next(chunks)  # every stream is under way
-    endings = {}
+    with connect(cluster["server"].ws_url) as socket:
+        victim = socket.response.headers[HEADER]  # the replica to kill: the one holding this socket
+        socket.send(json.dumps({"type": "start", "id": "long", "prompt": PROMPTS[0], "params": {"max_tokens": 400}}))
+        streams = []
+        for prompt in PROMPTS[:6]:
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt, max_tokens=400, temperature=0, stream=True
+            )
+            streams.append((raw.headers[HEADER], iter(raw.parse())))
+        served = {replica for replica, _ in streams}
+        assert victim in served and len(served) == 2, "the streams landed on both replicas"
+        for _, chunks in streams:
+            next(chunks)  # every stream is under way
+        endings = {}
 
-    def read(index, chunks):
-        try:
-            endings[index] = ([c.choices[0].finish_reason for c in chunks][-1], time.monotonic())
-        except openai.APIError as error:
-            endings[index] = (str(error), time.monotonic())
+        def read_socket():
+            while (message := json.loads(socket.recv(timeout=30)))["type"] in ("delta", "stats"):
+                pass
+            with pytest.raises(ConnectionClosedError) as closed:
+                socket.recv(timeout=10)
+            endings["socket"] = ((message["code"], closed.value.rcvd.code), time.monotonic())
 
-    readers = [threading.Thread(target=read, args=(i, chunks)) for i, (_, chunks) in enumerate(streams)]
-    killed_at = time.monotonic()
-    ray.kill(_replica_actor(victim), no_restart=True)
-    for reader in readers:
-        reader.start()
-    for reader in readers:
-        reader.join(timeout=120)
-    for i, (replica, _) in enumerate(streams):
-        ending, at = endings[i]
-        if replica == victim:
-            assert "the replica serving this request failed" in ending and at - killed_at < 10, (ending, at - killed_at)
-        else:
-            assert ending == "length"  # the other replica's streams complete
+        def read(index, chunks):
+            try:
+                endings[index] = ([c.choices[0].finish_reason for c in chunks][-1], time.monotonic())
+            except openai.APIError as error:
+                endings[index] = (str(error), time.monotonic())
+
+        readers = [threading.Thread(target=read, args=(i, chunks)) for i, (_, chunks) in enumerate(streams)]
+        readers.append(threading.Thread(target=read_socket))
+        killed_at = time.monotonic()
+        ray.kill(_replica_actor(victim), no_restart=True)
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout=120)
+        for i, (replica, _) in enumerate(streams):
+            ending, at = endings[i]
+            if replica == victim:
+                assert "the replica serving this request failed" in ending and at - killed_at < 10, (
+                    ending,
+                    at - killed_at,
+                )
+            else:
+                assert ending == "length"  # the other replica's streams complete
+        ending, at = endings["socket"]
+        assert ending == ("replica_failed", 1011) and at - killed_at < 10, (ending, at - killed_at)
     answer = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=4, temperature=0)
     assert answer.choices[0].finish_reason == "length"
     deadline = time.monotonic() + 90

@@ -168,7 +168,7 @@ class ReplicaFront:
             await relay.fail(error)
         finally:
             if not relay.exhausted:  # the client left (or this task was cancelled): the replica's app sees it leave
-                messages.cancel()
+                _cancel(messages)
             self.front.streams.close(name)
 
     def _route(self, scope: Scope, body: bytes) -> ReplicaRoute:
@@ -214,7 +214,7 @@ class ReplicaFront:
             await _close_failed(send, accepted, error)
         finally:
             if not closed:
-                messages.cancel()
+                _cancel(messages)
 
 
 class _Relay:
@@ -247,6 +247,14 @@ class _Relay:
         elif not self.ended:  # a stream: its documented ending; a whole response cannot be repaired
             tail = event(failure.body()) + DONE if self.event_stream else ""
             await self.send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
+
+
+def _cancel(messages: Any) -> None:
+    """Cancel a streaming call; one whose routing or replica already failed has nothing left to cancel."""
+    try:
+        messages.cancel()
+    except Exception as error:  # cancel() re-raises the call's own failure
+        log.debug("cancelling a failed call: %r", error)
 
 
 async def _no_receive() -> dict[str, Any]:
