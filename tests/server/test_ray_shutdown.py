@@ -1,5 +1,6 @@
-"""`pdflash serve --replicas 1` as a command: SIGTERM ends its streams with their final message,
-the command exits 0, and every Ray process it started has stopped. Needs the `ray` extra."""
+"""`pdflash serve --replicas 1` as a command: SIGTERM (or Ctrl+C, SIGINT to its process group) ends
+its streams with their final message, the command exits 0, and every Ray process it started has
+stopped. Needs the `ray` extra."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 pytest.importorskip("ray")
 
@@ -43,10 +45,18 @@ def _alive(pid):
         return False
 
 
-def test_sigterm_ends_streams_cleanly_and_stops_every_ray_process_it_started(tiny_target):
+@pytest.mark.parametrize(
+    "stop",
+    [
+        pytest.param(lambda proc: proc.send_signal(signal.SIGTERM), id="SIGTERM"),
+        pytest.param(lambda proc: os.killpg(proc.pid, signal.SIGINT), id="Ctrl+C"),  # the whole process group
+    ],
+)
+def test_a_signal_ends_streams_cleanly_and_stops_every_ray_process_it_started(tiny_target, stop):
     cmd = [sys.executable, "-m", "pdflash.cli", "serve", "--target", str(tiny_target), "--port", "0"]
     cmd += ["--replicas", "1", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         line = ""
         while not line.startswith("pdflash: serving"):
@@ -59,13 +69,17 @@ def test_sigterm_ends_streams_cleanly_and_stops_every_ray_process_it_started(tin
             time.sleep(0.2)
         ray_processes = _descendants(proc.pid)
         assert ray_processes, "the local Ray instance runs below pdflash serve"
-        with httpx.stream(
-            "POST", url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1800, "stream": True}
-        ) as response:
-            lines = response.iter_lines()
-            first = next(line for line in lines if line.startswith("data:"))
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data:")]
+        with connect(url.replace("http", "ws") + "/ws") as socket:
+            socket.send(json.dumps({"type": "start", "id": 0, "prompt": [3, 4], "params": {"max_tokens": 1800}}))
+            with httpx.stream(
+                "POST", url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1800, "stream": True}
+            ) as response:
+                lines = response.iter_lines()
+                first = next(line for line in lines if line.startswith("data:"))
+                stop(proc)
+                rest = [line for line in lines if line.startswith("data:")]
+            while (message := json.loads(socket.recv(timeout=30)))["type"] in ("delta", "stats"):
+                pass
         rc = proc.wait(timeout=60)
         err = proc.stderr.read()
     finally:
@@ -73,6 +87,7 @@ def test_sigterm_ends_streams_cleanly_and_stops_every_ray_process_it_started(tin
     assert rc == 0 and "Traceback" not in err, err
     final = json.loads((rest[-2] if len(rest) > 1 else first)[5:])
     assert rest[-1] == "data: [DONE]" and final["choices"][0]["finish_reason"] == "abort", rest[-3:]
+    assert message["type"] == "done" and message["finish_reason"] == "abort", message
     deadline = time.monotonic() + 10
     while [p for p in ray_processes if _alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
