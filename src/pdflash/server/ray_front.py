@@ -36,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdflash.server.auth import AccessMiddleware
 from pdflash.server.errors import SERVER_ERROR, APIError
-from pdflash.server.limits import read_body
+from pdflash.server.limits import loads, off_loop, read_body
 from pdflash.server.prompts import shutting_down
 from pdflash.server.replica import REPLICA_HEADER, portable_scope
 from pdflash.server.replica import Route as ReplicaRoute
@@ -157,10 +157,11 @@ class ReplicaFront:
         except APIError as error:
             await error.response()(scope, receive, send)
             return
+        route = await self._route(scope, body)
         name = f"front-{next(self.ids)}"
         self.front.streams.open(name)
         relay = _Relay(send)
-        messages = self.replicas.stream("http", portable_scope(scope), body, route=self._route(scope, body))
+        messages = self.replicas.stream("http", portable_scope(scope), body, route=route)
         try:
             await unless_disconnected(receive, lambda: relay.pump(messages))
         except Exception as error:  # the replica died (or Ray lost it) before the response ended
@@ -171,14 +172,15 @@ class ReplicaFront:
                 _cancel(messages)
             self.front.streams.close(name)
 
-    def _route(self, scope: Scope, body: bytes) -> ReplicaRoute:
+    async def _route(self, scope: Scope, body: bytes) -> ReplicaRoute:
         """("session", key) when `--session-field` names a field this JSON body has; else Ray's default."""
         if self.session_field is None or scope["method"] != "POST":
             return None
         try:
-            value = json.loads(body).get(self.session_field)
-        except (ValueError, AttributeError):  # not a JSON object: the replica answers 400
+            decoded = await off_loop(len(body), lambda: loads(body, self.settings.limits.max_json_depth))
+        except APIError:  # not JSON: the replica answers the 400
             return None
+        value = decoded.get(self.session_field) if isinstance(decoded, dict) else None
         return ("session", str(value)) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
 
     async def forward_websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
