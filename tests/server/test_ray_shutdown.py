@@ -92,3 +92,15 @@ def test_a_signal_ends_streams_cleanly_and_stops_every_ray_process_it_started(ti
     while [p for p in ray_processes if _alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in ray_processes if _alive(p)], "every Ray process the command started has stopped"
+
+
+def test_replicas_asking_for_more_cpus_than_the_machine_has_are_refused_by_name(tiny_target):
+    cpus = os.cpu_count()
+    cmd = [sys.executable, "-m", "pdflash.cli", "serve", "--target", str(tiny_target), "--port", "0"]
+    cmd += ["--replicas", "2", "--cpus-per-replica", str(cpus)]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 2, result.stderr
+    expected = f"2 replicas x {cpus} CPUs (--cpus-per-replica) need {2 * cpus} CPUs; the Ray cluster has {cpus}"
+    assert expected in result.stderr

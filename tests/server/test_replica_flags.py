@@ -41,3 +41,19 @@ def test_replicas_must_be_a_positive_integer(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--replicas", "0"])
     assert exit_.value.code == 2 and "--replicas: must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+WITHOUT_RAY = """
+import sys
+sys.modules["ray"] = None  # as if the ray extra were not installed
+from pdflash.cli import main
+sys.exit(main(["serve", "--target", sys.argv[1], "--port", "0", "--replicas", "2"]))
+"""
+
+
+def test_replicas_without_the_ray_extra_say_how_to_install_it(tiny_target):
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_RAY, str(tiny_target)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert "--replicas needs Ray Serve, which is not installed: pip install -e '.[ray]'" in result.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Iterator
 
 import attrs
@@ -55,8 +56,8 @@ class ReplicaOptions:
 
     @property
     def local_cpus(self) -> int:
-        """The CPUs a local instance gets: what the replicas reserve, so Ray leaves the rest of the machine alone."""
-        return math.ceil(self.replicas * self.cpus_per_replica)
+        """A local instance's CPUs: what the replicas reserve (Ray leaves the rest alone), at most the machine's."""
+        return min(math.ceil(self.replicas * self.cpus_per_replica), os.cpu_count() or 1)
 
 
 @contextlib.contextmanager
