@@ -40,7 +40,12 @@ def test_json_contract_speculative_equals_no_spec(capsys, tiny_target, drafter_d
     ]
     spec = run_json(capsys, *common, "--block-size", "4")
     plain = run_json(capsys, *common, "--no-spec")
-    assert set(spec) == {"token_ids", "text", "acceptance_lengths", "stats"}
+    assert set(spec) == {"token_ids", "text", "acceptance_lengths", "block_sizes", "stats"}
+    assert len(spec["block_sizes"]) == len(spec["acceptance_lengths"]) and max(spec["block_sizes"]) <= 4
+    fixed = run_json(capsys, *common, "--block-size", "4", "--speculation", "fixed")
+    assert fixed["token_ids"] == plain["token_ids"]
+    emitted = [1 + sum(fixed["acceptance_lengths"][:i]) for i in range(len(fixed["block_sizes"]))]
+    assert fixed["block_sizes"] == [min(4, 24 - e + 1) for e in emitted]  # the whole block, clipped at the end
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
     assert plain["acceptance_lengths"] == [] or set(plain["acceptance_lengths"]) == {1}
     assert sum(spec["acceptance_lengths"]) == 23  # every token after the prefill's first comes from a round

@@ -249,8 +249,8 @@ async def test_an_error_in_one_sequences_round_fails_only_that_request(make_engi
     async with make_engine() as engine:
         real = getattr(engine.speculator, round_name)
 
-        def poisoned(sessions):
-            results = real(sessions)  # the batch advances every session, then raises: retry must undo that
+        def poisoned(sessions, *args):
+            results = real(sessions, *args)  # the batch advances every session, then raises: retry must undo that
             if any(s.prompt_ids == poison for s in sessions):
                 raise RuntimeError("injected fault")
             return results

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pdflash.engine.admission import TokensBytes, VerifyAdmission, VerifyDemand, admit_verify_demands
 from pdflash.engine.charging import ChargeMode, ExpertMasks, charge_bytes
+from pdflash.engine.ordering import OrderKey, offer_order
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.engine.ticket import AdmissionCancelled
 
@@ -217,10 +218,11 @@ def ticks_to_fill(demand, budget) -> int:
     return k
 
 
-def simulate(arrivals, budget, cap, barrier_after, n_ticks):
+def simulate(arrivals, budget, cap, barrier_after, n_ticks, offer=None):
     """Run the pure function tick after tick, feeding skipped demands back with one more
-    skipped tick. Returns {seq_id: (arrival_tick, admitted_tick or None, ids ahead at arrival)}
-    and {seq_id: first tick it started at the head of the line already guarded}."""
+    skipped tick; `offer(queue)` reorders each tick's line (the ordering policy; default
+    arrival order). Returns {seq_id: (arrival_tick, admitted_tick or None, ids ahead at
+    arrival)} and {seq_id: first tick it started at the head of the line already guarded}."""
     queue: list[VerifyDemand] = []
     carried = ZERO
     record, guarded_head_since = {}, {}
@@ -230,6 +232,8 @@ def simulate(arrivals, budget, cap, barrier_after, n_ticks):
             record[d.seq_id] = [t, None, tuple(ahead)]
             ahead.append(d.seq_id)
             queue.append(d)
+        if offer is not None:
+            queue = offer(queue)
         if queue and queue[0].skipped_ticks >= barrier_after:
             guarded_head_since.setdefault(queue[0].seq_id, t)
         out = admit_verify_demands(queue, budget, carried, cap, barrier_after=barrier_after)
@@ -238,6 +242,7 @@ def simulate(arrivals, budget, cap, barrier_after, n_ticks):
             record[seq_id][1] = t
         admitted = set(out.admitted_ids)
         queue = [attrs.evolve(d, skipped_ticks=d.skipped_ticks + 1) for d in queue if d.seq_id not in admitted]
+        queue.sort(key=lambda d: list(record).index(d.seq_id))  # back to arrival order
     return record, guarded_head_since
 
 
@@ -257,8 +262,8 @@ def arrival_streams(draw):
 
 
 @PROPS
-@given(arrival_streams())
-def test_every_demand_is_admitted_within_the_guard_bound(stream):
+@given(arrival_streams(), st.sampled_from(["arrival", "yield"]), st.randoms(use_true_random=False))
+def test_every_demand_is_admitted_within_the_guard_bound(stream, order, rng):
     """The bound (no in-flight demands; budget > 0 in both dimensions; cap >= every demand).
 
     Head bound: a demand at the head of the line with skipped_ticks >= barrier_after is
@@ -271,9 +276,23 @@ def test_every_demand_is_admitted_within_the_guard_bound(stream):
     a + barrier_after - 1 + sum of k over A and D. From tick a + barrier_after on, D and
     every demand ahead of it (all older) carry skipped_ticks >= barrier_after, nobody new
     gets ahead of D, so the heads ahead of D leave one after another, each within its k.
+
+    The yield ordering keeps both bounds: it offers the guarded demands first, oldest first,
+    so once D is guarded only older demands are offered ahead of it, as in arrival order.
+    Here every demand gets a random yield (expected tokens per byte), so the ordered line
+    differs from the arrival line from tick to tick.
     """
     arrivals, budget, cap, barrier_after, n_ticks = stream
-    record, guarded_head_since = simulate(arrivals, budget, cap, barrier_after, n_ticks)
+    yields = {d.seq_id: rng.random() for tick in arrivals for d in tick}
+
+    def offer(queue):
+        keys = [
+            OrderKey(seq_id=d.seq_id, expected_tokens=yields[d.seq_id], alone_bytes=1, skipped_ticks=d.skipped_ticks)
+            for d in queue
+        ]
+        return [queue[i] for i in offer_order(keys, order, barrier_after)]
+
+    record, guarded_head_since = simulate(arrivals, budget, cap, barrier_after, n_ticks, offer)
     by_id = {d.seq_id: d for tick in arrivals for d in tick}
     for seq_id, (arrived, admitted_at, ahead) in record.items():
         k_sum = sum(ticks_to_fill(by_id[j], budget) for j in (*ahead, seq_id))
@@ -575,3 +594,35 @@ def test_a_token_cap_below_one_block_is_rejected():
 def test_demands_that_could_never_be_admitted_are_rejected_at_register(args, match):
     with pytest.raises(ValueError, match=match):
         two_d().register(*args)
+
+
+# --- the ordering policy -------------------------------------------------------------------
+
+
+def test_yield_order_offers_the_most_tokens_per_byte_first():
+    byte_map = {(0, e): 40 for e in range(8)}
+    for order, admitted in (("arrival", ("poor",)), ("yield", ("rich",))):
+        sched = two_d(charge_mode="marginal", byte_map=byte_map, order=order)
+        sched.register("poor", 4, union={(0, 0), (0, 1)}, full_bytes=80, expected_tokens=1.0)
+        sched.register("rich", 4, union={(0, 2), (0, 3)}, full_bytes=80, expected_tokens=3.5)
+        assert sched.tick(resident=set(), in_flight_union=set()).admitted_ids == admitted, order
+
+
+def test_yield_counts_only_what_is_not_resident_or_coming():
+    byte_map = {(0, e): 40 for e in range(8)}
+    sched = two_d(charge_mode="marginal", byte_map=byte_map, order="yield")
+    sched.register("fresh", 4, union={(0, 0), (0, 1)}, full_bytes=80, expected_tokens=3.0)
+    sched.register("cached", 4, union={(0, 2), (0, 3)}, full_bytes=80, expected_tokens=1.5)  # half resident
+    assert sched.tick(resident={(0, 2)}, in_flight_union={(0, 3)}).admitted_ids == ("cached", "fresh")
+
+
+def test_a_guarded_demand_is_offered_before_a_better_yield():
+    keys = [
+        OrderKey(seq_id="old", expected_tokens=1.0, alone_bytes=100, skipped_ticks=4),
+        OrderKey(seq_id="new", expected_tokens=5.0, alone_bytes=10, skipped_ticks=0),
+        OrderKey(seq_id="free", expected_tokens=1.0, alone_bytes=0, skipped_ticks=0),
+    ]
+    assert offer_order(keys, "yield", barrier_after=4) == [0, 2, 1]
+    assert offer_order(keys, "arrival", barrier_after=4) == [0, 1, 2]
+    with pytest.raises(ValueError, match="order='best'"):
+        offer_order(keys, "best", barrier_after=4)

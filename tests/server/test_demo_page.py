@@ -2,6 +2,7 @@
 side, each pane shows its text and numbers, the engine panel fills in, the layout survives a
 narrow window. Screenshots go to test-artifacts/ (gitignored) for a human to look at."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,8 @@ def test_two_prompts_stream_side_by_side(server, browser):
         assert float(panes.nth(i).locator(".s-tps").inner_text()) > 0
         assert float(panes.nth(i).locator(".s-tau").inner_text()) >= 1
         assert panes.nth(i).locator(".acceptance span").count() > 0  # one bar per verify round
+        shown = panes.nth(i).locator(".acceptance-text").inner_text()  # "emitted/verified" per round
+        assert re.search(r"policy chose\): (\d+/\d+ ?)+$", shown), shown
     expect(panes.nth(2).locator(".status")).to_have_text("")  # the third pane was not started
 
     expect(page.locator("#stat-link")).to_have_text("emulated")

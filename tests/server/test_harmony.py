@@ -82,6 +82,7 @@ class ScriptedEngine:
                 prompt_tokens=5,
                 generated_tokens=i + 1,
                 acceptance_lengths=(),
+                block_sizes=(),
                 ttft_s=0.0,
                 expert_bytes=0,
                 fetch_bytes=0,

@@ -279,6 +279,9 @@ def test_websocket_runs_three_generations_at_once_and_cancels_one(server, client
         assert len(tokens) == done[gen_id]["metrics"]["generated_tokens"] == 24
         rounds = [n for d in deltas[gen_id] for n in d["acceptance_lengths"]]
         assert rounds == done[gen_id]["metrics"]["acceptance_lengths"] and sum(rounds) == 23
+        blocks = [n for d in deltas[gen_id] for n in d["block_sizes"]]  # the policy's block, per round
+        assert blocks == done[gen_id]["metrics"]["block_sizes"] and len(blocks) == len(rounds)
+        assert all(n <= b for n, b in zip(rounds, blocks))  # a round emits at most what it verified
         assert sum(d["expert_bytes"] for d in deltas[gen_id]) == done[gen_id]["metrics"]["expert_bytes"] > 0
     assert "".join(d["text"] for d in deltas["a"]) == expected  # same tokens as the HTTP path
     # the three ran at once: each had output before the first one finished
@@ -375,6 +378,7 @@ def test_metrics_cover_requests_latency_acceptance_and_expert_traffic(client, ht
         "pdflash_time_to_first_token_seconds",
         "pdflash_inter_token_latency_seconds",
         "pdflash_acceptance_length",
+        "pdflash_verify_block_tokens",
         "pdflash_request_admission_wait_seconds",
         "pdflash_verify_batch_size",
     ):

@@ -53,6 +53,44 @@ def test_batched_rounds_equal_single_rounds(loaded, drafter, block_size):
         assert tuple(session.acceptance_lengths) == single.acceptance_lengths
 
 
+def test_per_session_block_sizes_and_skipped_drafts_keep_the_output(loaded, drafter):
+    """Rounds of varying size per session, 1 (no drafter forward) included, equal plain decoding:
+    a session that skips the drafter keeps its unseen context for the next round that drafts."""
+    params = SamplingParams(max_tokens=30)
+    spec = speculator(loaded, drafter, block_size=8)
+    expected = [generate_autoregressive(loaded.model, p, params).token_ids for p in PROMPTS]
+    sessions = spec.begin_sessions([(p, params) for p in PROMPTS])
+    plans = [[1, 1, 8, 3], [8], [2, 1], [1, 5, 1, 1, 8]]  # cycled per session
+    rounds = 0
+    while live := [s for s in sessions if not s.finished]:
+        sizes = [plans[sessions.index(s)][rounds % len(plans[sessions.index(s)])] for s in live]
+        drafts = spec.draft_rounds(live, sizes)
+        assert [d.tokens for d in drafts] == [
+            min(n, s.rule.max_new_tokens - len(s.emitted) + 1) for n, s in zip(sizes, live)
+        ]
+        results = spec.verify_rounds(live)
+        for size, result in zip(sizes, results):
+            assert len(result.trace.position_fetch_bytes) == result.trace.tokens <= size
+        rounds += 1
+    assert [tuple(s.emitted) for s in sessions] == expected
+    with pytest.raises(ValueError, match="1..8 tokens, got 9"):
+        spec.draft_rounds(spec.begin_sessions([(PROMPTS[0], params)]), [9])
+
+
+def test_position_bytes_count_what_each_token_adds_beyond_the_batch(loaded, drafter):
+    spec = speculator(loaded, drafter, block_size=4)
+    params = SamplingParams(max_tokens=8)
+    sessions = spec.begin_sessions([(PROMPTS[0], params), (PROMPTS[0], params)])
+    spec.draft_rounds(sessions)
+    twins = spec.verify_rounds(sessions)  # the same prompt twice: every expert is shared
+    assert all(b == 0 for r in twins for b in r.trace.position_fetch_bytes)
+    alone = spec.begin_sessions([(PROMPTS[1], params)])
+    spec.draft_rounds(alone)
+    [result] = spec.verify_rounds(alone)
+    # alone and nothing resident: the positions add up to the union the verify routed
+    assert sum(result.trace.position_fetch_bytes) == result.trace.actual_bytes
+
+
 def test_trained_like_drafter_accepts_more_than_one(loaded, drafter):
     """A drafter that is told the target's own next tokens is fully accepted (sanity of acceptance)."""
     params = SamplingParams(max_tokens=24)

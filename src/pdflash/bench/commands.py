@@ -14,7 +14,7 @@ from pathlib import Path
 from pdflash.bench.configs import CONFIGS
 
 DEFAULT_PROFILE = "qwen3-30b-a3b@h200-pcie5"
-ALL_CONFIGS = ",".join(name for name, c in CONFIGS.items() if not c.derived)  # the simulator models these
+ALL_CONFIGS = ",".join(name for name, c in CONFIGS.items() if c.simulated)  # the simulator models these
 
 
 def _json_flag(p: argparse.ArgumentParser) -> None:
@@ -34,7 +34,9 @@ def _common(p: argparse.ArgumentParser, concurrency: list[int]) -> None:
         default=ALL_CONFIGS,
         help=f"comma-separated configurations, run side by side (default {ALL_CONFIGS}; "
         "B0 ar = autoregressive offloaded, B1 dflash-token = DFlash token-only scheduling, "
-        "B2 dflash-2d = DFlash 2-D (tokens, bytes) scheduling, B3 resident = DFlash, no offloading)",
+        "B2 dflash-2d = DFlash 2-D (tokens, bytes) scheduling, B3 resident = DFlash, no offloading; "
+        "engine-only: B2d dflash-derived = working-set budgets + yield order, B4 adaptive = the engine's "
+        "defaults (adaptive speculation + B2d's scheduling), B4t adaptive-token, B3a resident-adaptive)",
     )
     p.add_argument(
         "--concurrency", type=int, nargs="+", default=concurrency, help=f"closed-loop clients (default {concurrency})"

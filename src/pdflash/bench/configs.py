@@ -18,6 +18,8 @@ class BenchConfig:
     offloaded: bool  # experts behind the device cache and the (emulated) link
     two_dimensional: bool  # verify admission by tokens and expert bytes (else token-only)
     derived: bool = False  # 2-D budgets derived per tick by the engine (else the fixed `two_d_budgets`)
+    speculation: str = "fixed"  # "adaptive": the block per sequence and round (pdflash.spec.policy)
+    verify_order: str = "yield"  # the order a 2-D tick offers waiting verifies (pdflash.engine.ordering)
 
     @property
     def scheduling(self) -> str:
@@ -26,16 +28,54 @@ class BenchConfig:
             return "token-only"
         return "derived" if self.derived else "fixed"
 
+    @property
+    def simulated(self) -> bool:
+        """Whether `pdflash simulate` models it (fixed blocks, fixed or token-only budgets, arrival order)."""
+        return self.speculation == "fixed" and not self.derived
+
 
 CONFIGS = {
     c.name: c
     for c in (
         BenchConfig(name="ar", label="B0", speculative=False, offloaded=True, two_dimensional=False),
         BenchConfig(name="dflash-token", label="B1", speculative=True, offloaded=True, two_dimensional=False),
-        BenchConfig(name="dflash-2d", label="B2", speculative=True, offloaded=True, two_dimensional=True),
+        BenchConfig(
+            name="dflash-2d",
+            label="B2",
+            speculative=True,
+            offloaded=True,
+            two_dimensional=True,
+            verify_order="arrival",
+        ),
         BenchConfig(name="resident", label="B3", speculative=True, offloaded=False, two_dimensional=False),
         BenchConfig(
             name="dflash-derived", label="B2d", speculative=True, offloaded=True, two_dimensional=True, derived=True
+        ),
+        # the engine's defaults: adaptive speculation, working-set budgets, yield order
+        BenchConfig(
+            name="adaptive",
+            label="B4",
+            speculative=True,
+            offloaded=True,
+            two_dimensional=True,
+            derived=True,
+            speculation="adaptive",
+        ),
+        BenchConfig(
+            name="adaptive-token",
+            label="B4t",
+            speculative=True,
+            offloaded=True,
+            two_dimensional=False,
+            speculation="adaptive",
+        ),
+        BenchConfig(
+            name="resident-adaptive",
+            label="B3a",
+            speculative=True,
+            offloaded=False,
+            two_dimensional=False,
+            speculation="adaptive",
         ),
     )
 }

@@ -78,6 +78,8 @@ class EngineRecipe:
             device=plan.device,
             offload=offload,
             max_num_seqs=self.max_num_seqs,
+            speculation=config.speculation,
+            verify_order=config.verify_order,
             **self.budgets(config),
         )
 

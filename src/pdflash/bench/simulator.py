@@ -86,8 +86,11 @@ class Simulator:
             if cfg.offloaded
             else None
         )
-        if cfg.derived:
-            raise ValueError(f"the simulator does not model {cfg.name} (budgets derived per tick); use dflash-2d")
+        if not cfg.simulated:
+            raise ValueError(
+                f"the simulator does not model {cfg.name} (adaptive blocks or budgets derived per tick); "
+                "use ar, dflash-token, dflash-2d or resident"
+            )
         if cfg.two_dimensional:
             b = setup.budgets or {}
             self.scheduler = VerifyScheduler(

@@ -94,13 +94,15 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 
 def _engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
-    """Resolve the default model and read the verify budgets and offload flags shared by generate and serve."""
+    """Resolve the default model; read the engine settings (speculation, verify budgets) and the offload
+    flags shared by generate and serve."""
     from pdflash.engine.config import VERIFY_BUDGETS
 
     if args.target is None:
         args.target = default_target()
         args.drafter = args.drafter or default_drafter(args.target)
     budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
+    budgets["speculation"] = args.speculation
     if args.expert_cache_bytes is None and args.expert_cache_fraction is None:
         if args.emulate_link_gbps is not None:
             raise ValueError(
@@ -177,6 +179,7 @@ async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo:
         "token_ids": token_ids,
         "text": text,
         "acceptance_lengths": list(m.acceptance_lengths),
+        "block_sizes": list(m.block_sizes),
         "stats": {
             "prompt_tokens": m.prompt_tokens,
             "generated_tokens": n,

@@ -38,6 +38,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-spec", action="store_true", help="decode autoregressively even when a drafter is given")
     p.add_argument(
+        "--speculation",
+        choices=["adaptive", "fixed"],
+        default="adaptive",
+        help="how far each round speculates: adaptive picks each sequence's block per round by expected "
+        "tokens per second of compute and link bytes (1 = plain decoding, drafter skipped); fixed always "
+        "drafts the whole block (default adaptive)",
+    )
+    p.add_argument(
         "--block-size", type=_positive_int, default=None, help="draft block size, >= 2 (default: the drafter's)"
     )
     p.add_argument(
@@ -258,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_flag(gen)
     _add_budget_and_offload_flags(gen)
     gen.add_argument(
-        "--json", action="store_true", help='print one JSON object {"token_ids", "text", "acceptance_lengths", "stats"}'
+        "--json",
+        action="store_true",
+        help='print one JSON object {"token_ids", "text", "acceptance_lengths", "block_sizes", "stats"}',
     )
     gen.set_defaults(func=cmd_generate)
 

@@ -34,10 +34,12 @@ from pdflash.engine.pacer import DerivedBudgets, VerifyPacer
 from pdflash.engine.requests import prompt_token_ids
 from pdflash.engine.requests import sampling_params as request_sampling_params
 from pdflash.engine.sequence import Sequence, SequenceState
+from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.engine.ticket import AdmissionCancelled, Ticket
 from pdflash.errors import EngineClosedError, EngineOverloadedError
 from pdflash.measure import overlap_s
 from pdflash.sampling import SamplingParams
+from pdflash.spec.policy import expected_committed
 from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
 from pdflash.spec.speculator import Speculator
 from pdflash.stopping import StopRule
@@ -99,10 +101,14 @@ class AsyncEngine:
             speculator.target.config.top_k,
             cache_bytes,
         )
+        self.planner = SpeculationPlanner(
+            self.config.speculation if speculator.drafter is not None else "fixed",
+            speculator.block_size,
+            provider.link_bytes_per_s if provider is not None else None,
+        )
         self._derived = None
         if self.scheduling == "derived" and provider is not None:
             self._derived = DerivedBudgets(
-                link_bytes_per_s=provider.link_bytes_per_s,
                 cache_bytes=cache_bytes,
                 token_budget=self.scheduler.budget.tokens,
             )
@@ -165,7 +171,9 @@ class AsyncEngine:
                 max_cost=self.config.prefill_token_budget,
             ),
             draft=BatchLane(drafter or target, self._draft_rounds, name="draft", isolation=snapshots),
-            pacer=VerifyPacer(self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs),
+            pacer=VerifyPacer(
+                self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs, self.planner
+            ),
         )
         self._running, self._loop = running, asyncio.get_running_loop()
         await running.task_group.__aenter__()
@@ -304,6 +312,8 @@ class AsyncEngine:
             ticks=sched.ticks,
             in_flight_tick_share=pacer.ticks_in_flight / pacer.ticks if pacer and pacer.ticks else 0.0,
             mean_acceptance_length=t.verify_tokens / t.verify_rounds if t.verify_rounds else 0.0,
+            speculation=self.planner.mode,
+            block_decisions=dict(sorted(self.planner.decisions.items())),
             verify_batch_sizes=dict(sorted(running.pacer.verify_batches.items())) if running else {},
             admission_wait_p50_s=sched.wait_p50_s,
             admission_wait_p99_s=sched.wait_p99_s,
@@ -327,7 +337,9 @@ class AsyncEngine:
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 if self._stream_round(seq, seq.session.emitted, seq.session.finish_reason, seq.prefilled):
                     return
+                seq.acceptance = self.planner.track()
                 while True:
+                    seq.planned_block = self._plan(seq)
                     draft = await running.draft.submit(seq)
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     ticket = self._register(seq, draft)
@@ -347,13 +359,25 @@ class AsyncEngine:
     def _begin_sessions(self, batch: list[Sequence]) -> list[SpecSession]:  # on the target lane
         return self.speculator.begin_sessions([(s.prompt_ids, s.params) for s in batch], [s.text for s in batch])
 
+    def _plan(self, seq: Sequence) -> int:
+        """Tokens its next verify holds: the policy's choice (pdflash.engine.speculation)."""
+        assert seq.acceptance is not None
+        choice = self.planner.plan(seq.acceptance)
+        return choice.block if choice is not None else self.speculator.block_size
+
     def _draft_rounds(self, batch: list[Sequence]) -> list[DraftResult]:  # on the drafter lane
-        return self.speculator.draft_rounds([s.session for s in batch if s.session is not None])
+        started = time.perf_counter()
+        pairs = [(s.session, s.planned_block) for s in batch if s.session is not None]
+        drafts = self.speculator.draft_rounds([session for session, _ in pairs], [block for _, block in pairs])
+        drafted = sum(d.tokens >= 2 for d in drafts)
+        self.planner.observe_draft(drafted, time.perf_counter() - started)
+        return drafts
 
     def _register(self, seq: Sequence, draft: DraftResult) -> Ticket:
         """Its pending verify's exact demand goes to the scheduler; the pacer may tick."""
+        expected = expected_committed(seq.acceptance.estimate(), draft.tokens) if seq.acceptance else 1.0
         ticket = seq.ticket = self.scheduler.register(
-            seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes
+            seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes, expected
         )
         seq.draft, seq.drafted_at = draft, time.perf_counter()
         seq.verify_done, seq.verify_result, seq.verify_error = anyio.Event(), None, None
@@ -374,6 +398,9 @@ class AsyncEngine:
         if verified is not None:
             trace = verified.trace
             seq.acceptance_lengths.append(trace.acceptance_length)
+            seq.block_sizes.append(trace.tokens)
+            if seq.acceptance is not None:
+                seq.acceptance.observe(trace.tokens, verified.accepted_drafts)
             seq.expert_bytes += trace.expert_bytes
             seq.fetch_bytes += trace.fetch_bytes
             self._totals.verify_rounds += 1

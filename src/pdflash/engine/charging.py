@@ -79,6 +79,14 @@ class ExpertMasks:
         return sum(size * (mask & members).bit_count() for size, members in self._sizes)
 
 
+def alone_bytes(
+    masks: ExpertMasks, union_masks: Sequence[int], resident: Set[ExpertKey], in_flight: Set[ExpertKey]
+) -> list[int]:
+    """Bytes each union adds to resident ∪ in flight on its own (not cumulative: the ordering's key)."""
+    covered = masks.mask(resident) | masks.mask(in_flight)
+    return [masks.nbytes(union & ~covered) for union in union_masks]
+
+
 def charge_bytes(
     pending: Sequence[Chargeable],
     mode: ChargeMode | str,

@@ -14,7 +14,9 @@ import attrs
 from pdflash.checks import require_int
 from pdflash.engine.admission import require_fits_cap
 from pdflash.engine.charging import ChargeMode, largest_block_union_bytes
+from pdflash.engine.ordering import ORDERS
 from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.spec.policy import SPECULATION
 from pdflash.target.experts import ExpertKey
 
 
@@ -43,6 +45,12 @@ class EngineConfig:
     # verify and the cache: docs/engine.md), "token-only", or "auto": fixed when the four are
     # given, derived when experts are offloaded, else token-only
     scheduling: str = "auto"
+    # how far each round speculates (pdflash.spec.policy): "adaptive" picks each sequence's block
+    # per round (1 = plain decoding, the drafter skipped); "fixed" always drafts the full block
+    speculation: str = "adaptive"
+    # in what order a tick offers waiting verifies (pdflash.engine.ordering): "yield" (expected
+    # tokens per byte, the guard's protected demands first) or "arrival"; token-only is arrival
+    verify_order: str = "yield"
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_num_seqs", "max_waiting", "prefill_token_budget"):
@@ -54,6 +62,10 @@ class EngineConfig:
         for name in VERIFY_BUDGETS:
             require_int(name, getattr(self, name), optional=True)
         require_int("barrier_after", self.barrier_after, 0)
+        if self.speculation not in SPECULATION:
+            raise ValueError(f"speculation={self.speculation!r} is not one of {', '.join(map(repr, SPECULATION))}")
+        if self.verify_order not in ORDERS:
+            raise ValueError(f"verify_order={self.verify_order!r} is not one of {', '.join(map(repr, ORDERS))}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling={self.scheduling!r} is not one of {', '.join(map(repr, SCHEDULING))}")
         if self.scheduling == "fixed" and not given:
@@ -98,6 +110,7 @@ class EngineConfig:
                 barrier_after=self.barrier_after,
                 charge_mode=self.charge_mode,
                 byte_map=byte_map,
+                order=self.verify_order,
             )
         assert self.verify_token_budget and self.verify_token_cap and self.verify_byte_cap  # all four (post-init)
         require_fits_cap("verify_token_cap", self.verify_token_cap, block_tokens, block)
@@ -112,6 +125,7 @@ class EngineConfig:
             barrier_after=self.barrier_after,
             charge_mode=self.charge_mode,
             byte_map=byte_map,
+            order=self.verify_order,
         )
 
 
@@ -133,6 +147,8 @@ class EngineStats:
     ticks: int  # admission ticks run (at most one per verify launch while the lane is busy)
     in_flight_tick_share: float  # share of ticks charged against a non-empty in-flight union
     mean_acceptance_length: float  # tokens emitted per verify round, bonus included
+    speculation: str  # "adaptive" | "fixed" (always "fixed" without a drafter)
+    block_decisions: dict[int, int]  # verify block length chosen -> rounds
     verify_batch_sizes: dict[int, int]  # sequences per batched verify -> how many such batches
     admission_wait_p50_s: float | None  # verify admission wait (scheduler window)
     admission_wait_p99_s: float | None

@@ -24,6 +24,7 @@ class RequestMetrics:
     prompt_tokens: int  # tokens in the prompt
     generated_tokens: int  # tokens streamed so far (prompt excluded)
     acceptance_lengths: tuple[int, ...]  # tokens emitted per verify round, bonus included
+    block_sizes: tuple[int, ...]  # tokens verified per round: the speculation policy's choices
     ttft_s: float | None  # arrival -> first token, seconds; None before it
     expert_bytes: int  # Σ projected expert-union bytes of its verify rounds
     fetch_bytes: int  # the part of expert_bytes not resident when projected

@@ -2,7 +2,7 @@
 
 Owns when ticks run (when the target lane is about to launch a batch and, at most once while
 a batch runs, as soon as new demands wait), the budgets of each tick (fixed, token-only, or
-derived from the link and the running verify), the route-ahead prefetch of every admitted
+derived from the cache the running verify leaves free), the route-ahead prefetch of every admitted
 verify (one cache claim per sequence), launching each admitted set as ONE batched verify,
 and handing each sequence its result. Must not touch lifecycles: every sequence's own
 coroutine registers its demand, awaits its ticket and then `verified(seq)`.
@@ -30,27 +30,31 @@ from pdflash.engine.builder import OffloadProvider
 from pdflash.engine.lanes import Lane
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.engine.sequence import Sequence, SequenceState
+from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.spec.session import VerifyResult
 from pdflash.spec.speculator import Speculator
 from pdflash.target.experts import ExpertKey
 
 log = logging.getLogger(__name__)
-EMA_WEIGHT = 0.2  # weight of the newest verify time in the running estimate
 TICK_TIMES = 4096  # tick start times remembered (tests and stats)
 
 
 @attrs.frozen(kw_only=True)
 class DerivedBudgets:
-    """Budgets from the hardware: bytes per tick ≈ what the link moves during the running verify."""
+    """Budgets that keep the working set in the cache: a tick's bytes are what the running batch leaves free.
 
-    link_bytes_per_s: float | None  # None: copies are not the bottleneck (no emulated link)
-    cache_bytes: int  # the device cache's budget: bytes the running batch does not hold bound a tick
+    A tick admits at most the cache bytes the running batch does not hold, so the unions of the
+    verifies in service fit the cache together and consecutive rounds hit instead of evicting
+    each other; which verifies get those bytes is the ordering's choice (pdflash.engine.ordering).
+    There is no per-tick link quantum: capping bytes per tick splits the very batches that share
+    experts (measured slower than token-only scheduling, issue 19).
+    """
+
+    cache_bytes: int  # the device cache's budget
     token_budget: int  # tokens per tick (every block of every seat)
 
-    def per_tick(self, verify_s: float | None, held_bytes: int) -> TokensBytes:
-        free = max(1, self.cache_bytes - held_bytes)
-        moved = free if self.link_bytes_per_s is None or verify_s is None else self.link_bytes_per_s * verify_s
-        return TokensBytes(self.token_budget, max(1, min(free, int(moved))))
+    def per_tick(self, held_bytes: int) -> TokensBytes:
+        return TokensBytes(self.token_budget, max(1, self.cache_bytes - held_bytes))
 
 
 @attrs.define
@@ -60,7 +64,6 @@ class PacerStats:
     ticks_in_flight: int = 0  # ticks charged against a non-empty in-flight union
     prefetch_requests: int = 0  # route-ahead prefetches issued (one per admitted verify)
     prefetch_errors: int = 0
-    verify_s_ema: float | None = None  # running estimate of one batched verify's wall time
     tick_times: deque[float] = attrs.Factory(lambda: deque(maxlen=TICK_TIMES))  # perf_counter s
 
 
@@ -73,10 +76,11 @@ class VerifyPacer:
         provider: OffloadProvider | None,
         derived: DerivedBudgets | None,
         seqs: Mapping[Any, Sequence],  # by request id
+        planner: SpeculationPlanner,
     ) -> None:
         self.scheduler, self.speculator, self.lane = scheduler, speculator, lane
         self._seqs = seqs  # the engine's live sequences, by request id
-        self.provider, self.derived = provider, derived
+        self.provider, self.derived, self.planner = provider, derived, planner
         self.stats = PacerStats()
         self.verify_batches: dict[int, int] = {}  # sequences per batched verify -> batches
         self._changed = anyio.Event()  # a demand registered, or a batch ended
@@ -145,7 +149,7 @@ class VerifyPacer:
         self._running = []
 
     async def _verify(self, batch: list[Sequence], done: anyio.Event) -> None:
-        started = time.perf_counter()
+        started, waited = time.perf_counter(), self._exposed_fetch_s()
         outcomes: list[VerifyResult | BaseException]
         try:
             with anyio.CancelScope(shield=True):  # the thread runs to the end whatever happens here
@@ -155,8 +159,6 @@ class VerifyPacer:
             outcomes = [error] * len(batch)
         finally:
             elapsed = time.perf_counter() - started
-            ema = self.stats.verify_s_ema
-            self.stats.verify_s_ema = elapsed if ema is None else (1 - EMA_WEIGHT) * ema + EMA_WEIGHT * elapsed
             done.set()
             self._changed.set()
         for seq, outcome in zip(batch, outcomes, strict=True):
@@ -167,6 +169,9 @@ class VerifyPacer:
             seq.verify_done.set()  # every sequence of the batch hears back, whatever happened
             if seq.live:  # an aborted one already withdrew its demand
                 self.scheduler.finish(seq.request_id)
+        traces = [o.trace for o in outcomes if isinstance(o, VerifyResult)]
+        if traces:  # what the policy learns: compute seconds (link waits excluded) and bytes per position
+            self.planner.observe_verify(traces, max(0.0, elapsed - (self._exposed_fetch_s() - waited)))
 
     async def _verify_rounds(self, batch: list[Sequence]) -> list[VerifyResult | BaseException]:
         """One batched verify; if it raises, each sequence alone (rewound first), so only culprits fail."""
@@ -188,6 +193,10 @@ class VerifyPacer:
                 outcomes.append(error)
         return outcomes
 
+    def _exposed_fetch_s(self) -> float:
+        """Seconds forwards have waited on expert copies so far (0 without offloading, or unreported)."""
+        return float(self.provider.stats().get("exposed_fetch_s", 0.0)) if self.provider is not None else 0.0
+
     # -- a tick ----------------------------------------------------------------------------------
 
     def _tick(self, in_flight_union: frozenset[ExpertKey]) -> list[Sequence]:
@@ -199,7 +208,7 @@ class VerifyPacer:
         budget = None
         if self.derived is not None:
             held = self.speculator.union_bytes(in_flight_union)
-            budget = self.derived.per_tick(self.stats.verify_s_ema, held)
+            budget = self.derived.per_tick(held)
         self.scheduler.tick(resident, in_flight_union, budget=budget)
         # what this tick admitted, and any a cancel's refund re-assigned since the last one
         admitted = [self._seqs[i] for i in self.scheduler.admitted_ids() if i in self._seqs]

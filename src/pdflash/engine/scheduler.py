@@ -28,7 +28,8 @@ from pdflash.engine.admission import (
     admit_verify_demands,
     require_fits_cap,
 )
-from pdflash.engine.charging import ChargeMode, ExpertMasks, charge_bytes
+from pdflash.engine.charging import ChargeMode, ExpertMasks, alone_bytes, charge_bytes
+from pdflash.engine.ordering import OrderKey, offer_order
 from pdflash.engine.ticket import Ticket
 from pdflash.measure import percentile
 from pdflash.target.experts import ExpertKey
@@ -43,6 +44,7 @@ class VerifyRequest:
     union: frozenset[ExpertKey]  # projected routed union, (layer, expert) pairs
     full_bytes: int  # bytes: sum of the byte map over `union`
     fetch_bytes: int  # bytes of `union` not resident at projection time
+    expected_tokens: float = 1.0  # E[tokens its verify commits]: the yield ordering's numerator
 
 
 @attrs.define(eq=False)
@@ -95,6 +97,7 @@ class VerifyScheduler:
         barrier_after: int = 4,
         charge_mode: ChargeMode | str = ChargeMode.MARGINAL,
         byte_map: Mapping[ExpertKey, int] | None = None,
+        order: str = "arrival",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if (byte_budget is None) != (byte_cap is None):
@@ -115,6 +118,8 @@ class VerifyScheduler:
         self.budget = TokensBytes(token_budget, byte_budget or 0)  # per tick
         self.cap = TokensBytes(token_cap, byte_cap or 0)
         self.barrier_after = barrier_after
+        offer_order([], order, barrier_after)  # validates `order`
+        self.order = order if not self.token_only else "arrival"  # without bytes there is no yield to order by
         self._clock = clock
 
         self._queue: dict[Hashable, _Entry] = {}  # waiting, in arrival order
@@ -144,9 +149,10 @@ class VerifyScheduler:
         union: Iterable[ExpertKey] = frozenset(),
         full_bytes: int = 0,
         fetch_bytes: int = 0,
+        expected_tokens: float = 1.0,
     ) -> Ticket:
         """Queue a pending verify; a seq_id already waiting is updated in its place."""
-        request = VerifyRequest(seq_id, tokens, frozenset(union), full_bytes, fetch_bytes)
+        request = VerifyRequest(seq_id, tokens, frozenset(union), full_bytes, fetch_bytes, expected_tokens)
         self._check_request(request)
         if seq_id in self._admitted or seq_id in self._in_flight:
             raise ValueError(
@@ -219,7 +225,7 @@ class VerifyScheduler:
         if budget is not None:  # derived budgets: this tick's quantum (the caps stay)
             self.budget = budget
         seated = list(self._in_flight.values())
-        waiting = list(self._queue.values())
+        waiting = self._offered(list(self._queue.values()), resident, in_flight_union)
         charges = self._charges(seated + waiting, resident, in_flight_union)
         demands = self._as_demands(seated + waiting, charges, n_seated=len(seated))
         result = admit_verify_demands(demands, self.budget, self._carried, self.cap, barrier_after=self.barrier_after)
@@ -274,6 +280,24 @@ class VerifyScheduler:
         if not self.token_only:
             most = r.fetch_bytes if self.charge_mode is ChargeMode.FETCH else r.full_bytes
             require_fits_cap("byte_cap", self.cap.expert_bytes, most, f"the bytes {who} may be charged")
+
+    def _offered(
+        self, waiting: list[_Entry], resident: Set[ExpertKey], in_flight_union: Set[ExpertKey]
+    ) -> list[_Entry]:
+        """The waiting demands in the order this tick offers them (pdflash.engine.ordering)."""
+        if self.order == "arrival" or len(waiting) < 2 or self._masks is None:
+            return waiting
+        alone = alone_bytes(self._masks, [e.union_mask(self._masks) for e in waiting], resident, in_flight_union)
+        keys = [
+            OrderKey(
+                seq_id=e.request.seq_id,
+                expected_tokens=e.request.expected_tokens,
+                alone_bytes=nbytes,
+                skipped_ticks=e.skipped_ticks,
+            )
+            for e, nbytes in zip(waiting, alone, strict=True)
+        ]
+        return [waiting[i] for i in offer_order(keys, self.order, self.barrier_after)]
 
     def _charges(self, entries: list[_Entry], resident: Set[ExpertKey], in_flight_union: Set[ExpertKey]) -> list[int]:
         if self.token_only:

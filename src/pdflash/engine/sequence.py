@@ -24,6 +24,7 @@ from transitions import Machine
 from pdflash.engine.outputs import OutputMailbox, RequestMetrics, RequestOutput, TextStream
 from pdflash.engine.ticket import Ticket
 from pdflash.sampling import SamplingParams
+from pdflash.spec.acceptance import SequenceAcceptance
 from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
 
 
@@ -74,6 +75,9 @@ class Sequence:
     # hot counters: plain attributes, never triggers
     streamed: int = 0  # tokens streamed to the client
     acceptance_lengths: list[int] = attrs.Factory(list)  # per verify round
+    block_sizes: list[int] = attrs.Factory(list)  # tokens verified per round (the policy's choice)
+    acceptance: SequenceAcceptance | None = None  # its acceptance estimates (adaptive speculation)
+    planned_block: int = 1  # tokens its next draft holds, anchor included
     expert_bytes: int = 0  # Σ projected union bytes over its verifies
     fetch_bytes: int = 0  # Σ non-resident part of those
     first_token_at: float | None = None
@@ -145,6 +149,7 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids),
             generated_tokens=self.streamed,
             acceptance_lengths=tuple(self.acceptance_lengths),
+            block_sizes=tuple(self.block_sizes),
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.arrival_s,
             expert_bytes=self.expert_bytes,
             fetch_bytes=self.fetch_bytes,

@@ -70,6 +70,12 @@ class ServerMetrics:
             buckets=ACCEPTANCE_BUCKETS,
             registry=r,
         )
+        self.block = Histogram(
+            "pdflash_verify_block_tokens",
+            "tokens verified per round: the speculation policy's block (1 = plain decoding)",
+            buckets=ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
         self.admission_wait = Histogram(
             "pdflash_request_admission_wait_seconds",
             "a request's total verify admission wait",
@@ -163,6 +169,7 @@ class Delta:
     """What one output delta adds, beyond its text and token ids."""
 
     acceptance_lengths: tuple[int, ...]  # verify rounds completed since the previous delta
+    block_sizes: tuple[int, ...]  # tokens those rounds verified (the speculation policy's choice)
     expert_bytes: int  # their projected expert-union bytes
     fetch_bytes: int  # the part not resident when projected
 
@@ -197,8 +204,12 @@ class RequestTracker:
         rounds = m.acceptance_lengths[self.rounds :]
         for length in rounds:
             self.metrics.acceptance.observe(length)
+        blocks = m.block_sizes[self.rounds :]
+        for block in blocks:
+            self.metrics.block.observe(block)
         delta = Delta(
             acceptance_lengths=tuple(rounds),
+            block_sizes=tuple(blocks),
             expert_bytes=m.expert_bytes - self.expert_bytes,
             fetch_bytes=m.fetch_bytes - self.fetch_bytes,
         )
@@ -219,6 +230,7 @@ class RequestTracker:
             "prompt_tokens": m.prompt_tokens,
             "generated_tokens": m.generated_tokens,
             "acceptance_lengths": lengths,
+            "block_sizes": list(m.block_sizes),
             "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
             "ttft_s": m.ttft_s,
             "tokens_per_second": tokens_per_second(self.tokens, self.first_at or 0.0, self.last_at or 0.0),

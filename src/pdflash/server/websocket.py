@@ -288,6 +288,7 @@ def _delta(gen_id: Any, out: Any, delta: Any, generated_tokens: int) -> dict[str
         "token_ids": list(out.token_ids),
         "acceptance_length": delta.acceptance_lengths[-1] if delta.acceptance_lengths else None,
         "acceptance_lengths": list(delta.acceptance_lengths),
+        "block_sizes": list(delta.block_sizes),
         "expert_bytes": delta.expert_bytes,
         "fetch_bytes": delta.fetch_bytes,
         "generated_tokens": generated_tokens,

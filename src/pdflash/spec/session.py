@@ -29,6 +29,7 @@ class DraftResult:
     expert_bytes: int  # exact Σ of the byte map over expert_union
     fetch_bytes: int  # the part of expert_bytes not resident at projection time
     projection_s: float  # this session's share of the batched projection
+    resident: frozenset[ExpertKey] = frozenset()  # experts resident when the route was projected
 
     @property
     def tokens(self) -> int:
@@ -44,6 +45,7 @@ class RoundTrace:
     fetch_bytes: int  # the part of expert_bytes not resident at projection time
     actual_bytes: int  # bytes of the union the verify routed
     quality: ProjectionQuality
+    position_fetch_bytes: tuple[int, ...] = ()  # [tokens]: bytes each position's route added (measured)
 
 
 @attrs.frozen(kw_only=True)

@@ -9,6 +9,7 @@ anchor). It never schedules: callers decide which sessions run a round together.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -110,47 +111,60 @@ class Speculator:
     def draft_round(self, session: SpecSession) -> DraftResult:
         return self.draft_rounds([session])[0]
 
-    def draft_rounds(self, sessions: Sequence[SpecSession]) -> list[DraftResult]:
+    def draft_rounds(self, sessions: Sequence[SpecSession], sizes: Sequence[int] | None = None) -> list[DraftResult]:
+        """Draft each session's next block: `sizes[i]` tokens, anchor included (default: the block size).
+
+        A size of 1 is plain decoding: the block is the anchor alone and the drafter does not run
+        for that session (its unseen context waits for the next round that drafts).
+        """
         for s in sessions:
             if s.finished:
                 raise RoundOrderError("draft_round on a finished session")
             if s.pending is not None:
                 raise RoundOrderError("draft_round twice without a verify_round in between")
-        sizes = [min(self.block_size, s.rule.max_new_tokens - len(s.emitted) + 1) for s in sessions]
+        wanted = sizes if sizes is not None else [self.block_size] * len(sessions)
+        for size in wanted:
+            if not 1 <= size <= self.block_size:
+                raise ValueError(f"a drafted block holds 1..{self.block_size} tokens, got {size}")
+        sizes = [min(n, s.rule.max_new_tokens - len(s.emitted) + 1) for s, n in zip(sessions, wanted, strict=True)]
         blocks = self._drafted_blocks(sessions, sizes)
         started = time.perf_counter()
         unions = self.projector.project(self, sessions, blocks)
         share = (time.perf_counter() - started) / len(sessions)
-        resident = self.resident()
+        resident = frozenset(self.resident())
         results = []
         for s, block, union in zip(sessions, blocks, unions):
             s.pending = DraftResult(
                 block=tuple(block.tolist()),
                 expert_union=union,
                 expert_bytes=union_bytes(union, self.expert_nbytes),
-                fetch_bytes=union_bytes(union - set(resident), self.expert_nbytes),
+                fetch_bytes=union_bytes(union - resident, self.expert_nbytes),
                 projection_s=share,
+                resident=resident,
             )
             s.projection_s += share
             results.append(s.pending)
         return results
 
     def _drafted_blocks(self, sessions: Sequence[SpecSession], sizes: list[int]) -> list[torch.Tensor]:
-        anchors = [torch.tensor([s.anchor], dtype=torch.int64) for s in sessions]
-        if self.drafter is None:
-            return anchors
+        blocks = [torch.tensor([s.anchor], dtype=torch.int64) for s in sessions]
+        drafting = [i for i, n in enumerate(sizes) if n >= 2]
+        if self.drafter is None or not drafting:
+            return blocks
         mask = self.drafter.config.mask_token_id
-        noisy = [torch.cat([a, torch.full((n - 1,), mask, dtype=torch.int64)]) for a, n in zip(anchors, sizes)]
-        contexts, caches = [], []
-        for s in sessions:
+        noisy, contexts, caches = [], [], []
+        for i in drafting:
+            s = sessions[i]
             if s.context is None or s.draft_cache is None:
                 raise RoundOrderError("draft_round on a session with no new target context (rounds out of order)")
+            noisy.append(torch.cat([blocks[i], torch.full((sizes[i] - 1,), mask, dtype=torch.int64)]))
             contexts.append(s.context)
             caches.append(s.draft_cache)
         logits = self.drafter.draft_logits(contexts, noisy, caches)
-        for s in sessions:
-            s.context = None
-        return [torch.cat([a, lg.argmax(dim=-1).cpu()]) for a, lg in zip(anchors, logits)]
+        for i, lg in zip(drafting, logits, strict=True):
+            sessions[i].context = None
+            blocks[i] = torch.cat([blocks[i], lg.argmax(dim=-1).cpu()])
+        return blocks
 
     # -- verify --------------------------------------------------------------------------
     def verify_round(self, session: SpecSession) -> VerifyResult:
@@ -163,14 +177,42 @@ class Speculator:
         out = self.target.forward(blocks, [s.target_cache for s in sessions], taps=self.taps)
         share = (time.perf_counter() - started) / len(sessions)
         taps = out.split_taps()
+        routes = [self._token_routes(r) for r in out.split(out.routed)]
+        position_bytes = self._position_fetch_bytes(drafts, routes)
         return [
-            self._accept(s, block, logits, routed, tap, share)
-            for s, block, logits, routed, tap in zip(
-                sessions, blocks, out.split(out.logits), out.split(out.routed), taps
+            self._accept(s, block, logits, routed, tap, share, positions)
+            for s, block, logits, routed, tap, positions in zip(
+                sessions, blocks, out.split(out.logits), out.split(out.routed), taps, position_bytes
             )
         ]
 
-    def _accept(self, s: SpecSession, block, logits, routed, taps, verify_s: float) -> VerifyResult:
+    def _token_routes(self, routed: torch.Tensor) -> list[frozenset[ExpertKey]]:
+        """[n, L_moe, K] routed ids -> each token's (layer, expert) pairs."""
+        layers = self.target.config.moe_layer_ids
+        return [frozenset((l, e) for l, experts in zip(layers, token) for e in experts) for token in routed.tolist()]
+
+    def _position_fetch_bytes(
+        self, drafts: list[DraftResult], routes: list[list[frozenset[ExpertKey]]]
+    ) -> list[tuple[int, ...]]:
+        """Per session, per block position k: the bytes token k's route added to the experts resident
+        when it was drafted, the other sessions' routes in this batch and its own tokens before k:
+        what speculating one token further cost on the link, measured (the policy's byte estimate)."""
+        unions = [frozenset().union(*r) for r in routes]
+        sessions_using = Counter(e for union in unions for e in union)
+        out = []
+        for draft, own in zip(drafts, routes, strict=True):
+            seen: set[ExpertKey] = set()
+            positions = []
+            for route in own:
+                new = [e for e in route - seen - draft.resident if sessions_using[e] == 1]
+                positions.append(union_bytes(new, self.expert_nbytes))
+                seen |= route
+            out.append(tuple(positions))
+        return out
+
+    def _accept(
+        self, s: SpecSession, block, logits, routed, taps, verify_s: float, position_fetch_bytes: tuple[int, ...]
+    ) -> VerifyResult:
         adjusted = adjust_logits(  # row j continues the drafts before it
             logits,
             s.params,
@@ -187,7 +229,9 @@ class Speculator:
             s.logprobs += token_logprobs(logits, kept, s.params.logprobs)
         s.emitted += kept
         s.target_cache.crop(s.start + accepted + 1)
-        s.context = taps[: accepted + 1] if taps is not None else None
+        if taps is not None:  # a session that skipped the drafter still holds unseen context
+            fresh = taps[: accepted + 1]
+            s.context = fresh if s.context is None else torch.cat([s.context, fresh])
         actual = routed_union(routed, self.target.config.moe_layer_ids)
         pending = _pending_draft(s)
         trace = RoundTrace(
@@ -198,6 +242,7 @@ class Speculator:
             fetch_bytes=pending.fetch_bytes,
             actual_bytes=union_bytes(actual, self.expert_nbytes),
             quality=ProjectionQuality.compare(pending.expert_union, actual, self.expert_nbytes),
+            position_fetch_bytes=position_fetch_bytes,
         )
         s.trace.append(trace)
         s.anchor, s.start = int(posterior[accepted]), s.start + accepted + 1

@@ -144,7 +144,7 @@ function addPane(prompt) {
   const n = nextPane++;
   const node = $("pane-template").content.firstElementChild.cloneNode(true);
   const pane = {
-    n, node, id: null, tokens: 0, firstAt: null, lastAt: null, rounds: [], bytes: 0,
+    n, node, id: null, tokens: 0, firstAt: null, lastAt: null, rounds: [], blocks: [], bytes: 0,
     form: node.querySelector("form"),
     prompt: node.querySelector(".prompt"),
     output: node.querySelector(".output"),
@@ -196,7 +196,7 @@ function start(pane) {
   const id = `p${pane.n}-${nextGeneration++}`;
   if (!send({ type: "start", id, prompt: pane.prompt.value, params: params() })) return;
   notice("");
-  Object.assign(pane, { id, tokens: 0, firstAt: null, lastAt: null, rounds: [], bytes: 0, startedAt: performance.now() });
+  Object.assign(pane, { id, tokens: 0, firstAt: null, lastAt: null, rounds: [], blocks: [], bytes: 0, startedAt: performance.now() });
   running.set(id, pane);
   pane.output.textContent = "";
   pane.bars.replaceChildren();
@@ -223,19 +223,23 @@ function showDelta(pane, msg) {
   pane.output.textContent += msg.text;
   if (atBottom) pane.output.scrollTop = pane.output.scrollHeight;
   pane.bytes += msg.expert_bytes || 0;
-  for (const length of msg.acceptance_lengths || []) addBar(pane, length);
+  const blocks = msg.block_sizes || [];
+  (msg.acceptance_lengths || []).forEach((length, i) => addBar(pane, length, blocks[i]));
   showPaneStats(pane);
 }
 
-function addBar(pane, length) {
+function addBar(pane, length, block) {
   pane.rounds.push(length);
+  pane.blocks.push(block ?? "?");
   const bar = document.createElement("span");
   bar.dataset.length = length;
+  bar.title = `round ${pane.rounds.length}: verified ${block ?? "?"}, emitted ${length}`;
   pane.bars.appendChild(bar);
   while (pane.bars.childElementCount > MAX_BARS) pane.bars.firstElementChild.remove();
   const tallest = Math.max(4, ...pane.rounds.slice(-MAX_BARS));
   for (const b of pane.bars.children) b.style.height = `${(100 * Number(b.dataset.length)) / tallest}%`;
-  pane.barsText.textContent = `acceptance per round: ${pane.rounds.slice(-24).join(" ")}`;
+  const recent = pane.rounds.slice(-24).map((n, i) => `${n}/${pane.blocks.slice(-24)[i]}`);
+  pane.barsText.textContent = `emitted/verified per round (the block the policy chose): ${recent.join(" ")}`;
 }
 
 function showPaneStats(pane) {

@@ -1,0 +1,98 @@
+"""Online per-position acceptance estimates: per sequence, shrunk toward a global prior.
+
+Owns what the speculation policy believes about a_k, the chance that draft k is accepted
+given drafts 1..k-1 were. A verify of b tokens that accepted n drafts is one trial at each
+position k ≤ min(n + 1, b - 1) and a success at each k ≤ n. Counts decay by `decay` per
+round, observed or not, so a sequence that stopped speculating drifts back to the global
+estimate (and that, between observations, back to `prior`): after a run of rejections the
+policy backs off, and it probes again later, so it recovers when acceptance returns.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class AcceptancePrior:
+    prior: float = 0.6  # a_k believed before anything is observed
+    prior_weight: float = 2.0  # pseudo-trials behind `prior` in the global estimate
+    shrink_weight: float = 3.0  # pseudo-trials of the global estimate behind each sequence's
+    sequence_decay: float = 0.8  # per round: a sequence's counts fade within a few rounds
+    global_decay: float = 0.98  # per round of any sequence
+
+    def __attrs_post_init__(self) -> None:
+        if not 0.0 <= self.prior <= 1.0:
+            raise ValueError(f"prior is a probability in [0, 1], got {self.prior!r}")
+        for name in ("prior_weight", "shrink_weight"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 pseudo-trials, got {getattr(self, name)!r}")
+        for name in ("sequence_decay", "global_decay"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} is a factor in (0, 1], got {getattr(self, name)!r}")
+
+
+@attrs.define
+class _Counts:
+    trials: list[float]  # [B-1] decayed trials per draft position
+    successes: list[float]  # [B-1] decayed acceptances per draft position
+
+    @classmethod
+    def empty(cls, positions: int) -> _Counts:
+        return cls([0.0] * positions, [0.0] * positions)
+
+    def decay(self, factor: float) -> None:
+        self.trials = [t * factor for t in self.trials]
+        self.successes = [s * factor for s in self.successes]
+
+    def observe(self, block: int, accepted_drafts: int) -> None:
+        for k in range(min(accepted_drafts + 1, block - 1, len(self.trials))):
+            self.trials[k] += 1.0
+            self.successes[k] += 1.0 if k < accepted_drafts else 0.0
+
+    def shrunk(self, toward: tuple[float, ...], weight: float) -> tuple[float, ...]:
+        return tuple((s + weight * g) / (t + weight) for s, t, g in zip(self.successes, self.trials, toward))
+
+
+class AcceptanceModel:
+    """The global estimate, and one tracker per sequence (`for_sequence`)."""
+
+    def __init__(self, max_block: int, prior: AcceptancePrior | None = None) -> None:
+        if max_block < 1:
+            raise ValueError(f"max_block must be >= 1, got {max_block!r}")
+        self.prior = prior or AcceptancePrior()
+        self.positions = max_block - 1
+        self._global = _Counts.empty(self.positions)
+
+    def global_estimate(self) -> tuple[float, ...]:
+        """[B-1]: the pooled estimate, shrunk toward the prior."""
+        return self._global.shrunk((self.prior.prior,) * self.positions, self.prior.prior_weight)
+
+    def for_sequence(self) -> SequenceAcceptance:
+        return SequenceAcceptance(self)
+
+    def _observe(self, block: int, accepted_drafts: int) -> None:
+        self._global.decay(self.prior.global_decay)
+        if block >= 2:
+            self._global.observe(block, accepted_drafts)
+
+
+class SequenceAcceptance:
+    """One sequence's estimate: its own decayed counts behind `shrink_weight` of the global one."""
+
+    def __init__(self, model: AcceptanceModel) -> None:
+        self._model = model
+        self._counts = _Counts.empty(model.positions)
+
+    def estimate(self) -> tuple[float, ...]:
+        """[B-1]: a_1 .. a_{B-1} for this sequence's next round."""
+        return self._counts.shrunk(self._model.global_estimate(), self._model.prior.shrink_weight)
+
+    def observe(self, block: int, accepted_drafts: int) -> None:
+        """A round verified `block` tokens and accepted `accepted_drafts` of its drafts (b = 1: none to see)."""
+        if not 0 <= accepted_drafts <= max(0, block - 1):
+            raise ValueError(f"accepted_drafts={accepted_drafts} is outside 0..{block - 1} for a block of {block}")
+        self._counts.decay(self._model.prior.sequence_decay)
+        if block >= 2:
+            self._counts.observe(block, accepted_drafts)
+        self._model._observe(block, accepted_drafts)

@@ -1,0 +1,102 @@
+"""How far to speculate: the verify length b that maximises expected committed tokens per second.
+
+Owns the pure decision of ARCHITECTURE "Deciding how far to speculate". A verify of b tokens
+commits E[b] = 1 + Σ_{k<b} Π_{j≤k} a_j tokens (a_j: the chance draft j is accepted given
+1..j-1 were) and costs
+
+    cost(b) = round_s + b·token_s + [b ≥ 2]·draft_s + fetch_bytes(b) / link_bytes_per_s
+
+where fetch_bytes(b) is what the first b tokens' projected union adds to the experts that
+are resident or already coming (the figure the scheduler charges). b = 1 is plain decoding:
+no drafter forward. Everything here is a frozen value in, a frozen value out; the estimates
+it is handed live in pdflash.spec.acceptance and the engine's cost model.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+SPECULATION = ("adaptive", "fixed")
+
+
+@attrs.frozen(kw_only=True)
+class RoundCosts:
+    """What one sequence's round costs, in seconds, apart from its link bytes."""
+
+    round_s: float  # this sequence's share of a verify's fixed cost (paid whatever b is)
+    token_s: float  # verify compute each block token adds to the batch
+    draft_s: float  # the drafter's forward for this sequence (b >= 2 only)
+    link_bytes_per_s: float | None  # None: copies cost no time (resident, or no link to wait on)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("round_s", "token_s", "draft_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+        if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
+            raise ValueError(f"link_bytes_per_s must be > 0 (or None), got {self.link_bytes_per_s!r}")
+
+
+@attrs.frozen(kw_only=True)
+class PolicyInputs:
+    acceptance: tuple[float, ...]  # a_1 .. a_{B-1}: conditional acceptance of each draft position
+    prefix_fetch_bytes: tuple[int, ...]  # [B]: bytes the first b tokens' union adds (b = 1 .. B)
+    costs: RoundCosts
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prefix_fetch_bytes:
+            raise ValueError("prefix_fetch_bytes needs at least b = 1")
+        if len(self.acceptance) != len(self.prefix_fetch_bytes) - 1:
+            raise ValueError(
+                f"{len(self.prefix_fetch_bytes)} block lengths need {len(self.prefix_fetch_bytes) - 1} "
+                f"acceptance estimates, got {len(self.acceptance)}"
+            )
+        if any(not 0.0 <= a <= 1.0 for a in self.acceptance):
+            raise ValueError(f"acceptance estimates are probabilities in [0, 1], got {self.acceptance}")
+        if any(b < 0 for b in self.prefix_fetch_bytes):
+            raise ValueError(f"prefix_fetch_bytes are sizes >= 0, got {self.prefix_fetch_bytes}")
+
+    @property
+    def max_block(self) -> int:
+        return len(self.prefix_fetch_bytes)
+
+
+@attrs.frozen(kw_only=True)
+class BlockChoice:
+    block: int  # the verify length chosen (1 = plain decoding)
+    expected_tokens: float  # E[committed | block]
+    cost_s: float  # cost(block)
+    rates: tuple[float, ...]  # [B]: expected tokens per second of each b = 1 .. B
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.rates[self.block - 1]
+
+
+def expected_committed(acceptance: tuple[float, ...], block: int) -> float:
+    """E[tokens committed by a verify of `block` tokens] = 1 + Σ_{k<block} Π_{j≤k} a_j."""
+    total, survive = 1.0, 1.0
+    for a in acceptance[: block - 1]:
+        survive *= a
+        total += survive
+    return total
+
+
+def round_cost_s(inputs: PolicyInputs, block: int) -> float:
+    c = inputs.costs
+    link_s = 0.0 if c.link_bytes_per_s is None else inputs.prefix_fetch_bytes[block - 1] / c.link_bytes_per_s
+    return c.round_s + block * c.token_s + (c.draft_s if block >= 2 else 0.0) + link_s
+
+
+def choose_block(inputs: PolicyInputs) -> BlockChoice:
+    """The b in 1..B with the most expected committed tokens per second (ties: the shorter)."""
+    rates = []
+    for b in range(1, inputs.max_block + 1):
+        cost = round_cost_s(inputs, b)
+        rates.append(expected_committed(inputs.acceptance, b) / cost if cost > 0 else float("inf"))
+    best = max(range(len(rates)), key=lambda i: (rates[i], -i)) + 1
+    return BlockChoice(
+        block=best,
+        expected_tokens=expected_committed(inputs.acceptance, best),
+        cost_s=round_cost_s(inputs, best),
+        rates=tuple(rates),
+    )

@@ -1,0 +1,98 @@
+"""The engine's speculation planner: its live estimates, and the policy's choices inside the engine."""
+
+from __future__ import annotations
+
+import pytest
+from engine_cases import collect, drained
+from test_engine import GREEDY, PROMPTS, RecordingProvider
+
+from pdflash.engine.speculation import SpeculationPlanner, _ComputeFit
+from pdflash.spec.projection import ProjectionQuality
+from pdflash.spec.session import RoundTrace
+
+
+def trace(tokens: int, position_bytes: tuple[int, ...]) -> RoundTrace:
+    return RoundTrace(
+        start=0,
+        tokens=tokens,
+        acceptance_length=1,
+        expert_bytes=0,
+        fetch_bytes=0,
+        actual_bytes=sum(position_bytes),
+        quality=ProjectionQuality(coverage=1.0, coverage_bytes=1.0, waste_bytes=0),
+        position_fetch_bytes=position_bytes,
+    )
+
+
+def test_the_compute_fit_recovers_fixed_and_per_token_seconds():
+    fit = _ComputeFit()
+    assert fit.solve() is None
+    for tokens in (1, 8, 3, 16, 2, 8, 32, 1):
+        fit.observe(tokens, 0.010 + 0.002 * tokens)
+    fixed, per_token = fit.solve()
+    assert fixed == pytest.approx(0.010) and per_token == pytest.approx(0.002)
+
+
+def test_one_verify_size_splits_by_the_prior_ratio():
+    fit = _ComputeFit()
+    for _ in range(5):
+        fit.observe(8, 0.014)
+    fixed, per_token = fit.solve()
+    assert fixed + 8 * per_token == pytest.approx(0.014)
+    assert per_token == pytest.approx(0.05 * fixed)
+
+
+def test_the_planner_drafts_the_whole_block_until_it_has_measured():
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
+    seq = planner.track()
+    assert planner.plan(seq) is None  # nothing measured: the configured block
+    planner.observe_draft(2, 0.004)
+    planner.observe_verify([trace(4, (1000, 400)), trace(4, (1000, 400))], 0.02)
+    inputs = planner.inputs(seq)
+    assert inputs.prefix_fetch_bytes == (1000, 1400, 1800, 2200)  # unmeasured positions: the last measured
+    assert inputs.costs.draft_s == pytest.approx(0.002) and inputs.costs.link_bytes_per_s == 1e6
+    assert planner.plan(seq) is not None and sum(planner.decisions.values()) == 2
+
+
+def test_fixed_speculation_never_asks_the_policy():
+    planner = SpeculationPlanner("fixed", 4, link_bytes_per_s=None)
+    planner.observe_draft(1, 0.004)
+    planner.observe_verify([trace(4, (0, 0, 0, 0))], 0.02)
+    assert planner.plan(planner.track()) is None and planner.decisions == {4: 1}
+    with pytest.raises(ValueError, match="speculation='greedy'"):
+        SpeculationPlanner("greedy", 4, None)
+
+
+class SlowLink(RecordingProvider):
+    """Nothing resident and a link so slow that every fetched byte outweighs any compute."""
+
+    link_bytes_per_s = 1.0
+
+
+@pytest.mark.asyncio
+async def test_link_bound_at_concurrency_one_the_engine_decodes_plainly(make_engine, reference):
+    async with make_engine(provider=SlowLink()) as engine:
+        assert engine.planner.adaptive
+        ids, _, last = await collect(engine.generate(PROMPTS[0], GREEDY))
+        stats = await drained(engine)
+    assert ids == reference(PROMPTS[0])  # lossless whatever the block
+    blocks = last.metrics.block_sizes
+    assert blocks[0] == engine.speculator.block_size  # measured first
+    # then bytes cost more than the (random) tiny drafter's tokens are worth: short probes
+    # now and then (its acceptance estimate drifts back to the prior), plain decoding mostly
+    later = blocks[1:]
+    assert max(later) <= 3 and later.count(1) >= 2 * len(later) / 3, blocks
+    assert stats.block_decisions[1] == later.count(1) and stats.speculation == "adaptive"
+
+
+@pytest.mark.asyncio
+async def test_fixed_speculation_keeps_the_whole_block(make_engine, reference):
+    async with make_engine(provider=SlowLink(), speculation="fixed") as engine:
+        ids, _, last = await collect(engine.generate(PROMPTS[0], GREEDY))
+    assert ids == reference(PROMPTS[0])
+    emitted = [1]  # the prefill's token, then each round's
+    for n in last.metrics.acceptance_lengths:
+        emitted.append(emitted[-1] + n)
+    budget = GREEDY.max_tokens
+    block = engine.speculator.block_size
+    assert last.metrics.block_sizes == tuple(min(block, budget - e + 1) for e in emitted[:-1])  # only clipped

@@ -1,0 +1,145 @@
+"""The speculation policy and its acceptance estimates: hand-worked cases and the back-off/recovery loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdflash.spec.acceptance import AcceptanceModel, AcceptancePrior
+from pdflash.spec.policy import PolicyInputs, RoundCosts, choose_block, expected_committed, round_cost_s
+
+MB = 1_000_000
+
+
+def test_expected_committed_is_one_plus_the_survival_sum():
+    a = (0.8, 0.5, 0.25)
+    assert expected_committed(a, 1) == 1.0
+    assert expected_committed(a, 2) == pytest.approx(1.8)
+    assert expected_committed(a, 4) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+
+
+def test_link_bound_at_concurrency_one_decodes_plainly():
+    # every position adds 1 MB at 10 MB/s: 0.1 s per token against 11 ms of compute
+    inputs = PolicyInputs(
+        acceptance=(0.7,) * 7,
+        prefix_fetch_bytes=tuple(b * MB for b in range(1, 9)),
+        costs=RoundCosts(round_s=0.010, token_s=0.001, draft_s=0.005, link_bytes_per_s=10 * MB),
+    )
+    choice = choose_block(inputs)
+    # b=1: 1 / (0.010 + 0.001 + 0.1) = 9.01 tok/s; b=2: 1.7 / (0.010 + 0.002 + 0.005 + 0.2) = 7.83
+    assert choice.rates[0] == pytest.approx(1 / 0.111)
+    assert choice.rates[1] == pytest.approx(1.7 / 0.217)
+    assert choice.block == 1
+    assert choice.expected_tokens == 1.0 and choice.cost_s == pytest.approx(0.111)
+
+
+def test_shared_bytes_make_short_blocks_pay_when_link_bound():
+    # the second token's route is mostly the first's: 1 MB, then 0.1 MB per further position
+    prefix = tuple(MB + int(0.1 * MB) * (b - 1) for b in range(1, 9))
+    inputs = PolicyInputs(
+        acceptance=(0.9, 0.6, 0.3, 0.1, 0.1, 0.1, 0.1),
+        prefix_fetch_bytes=prefix,
+        costs=RoundCosts(round_s=0.010, token_s=0.001, draft_s=0.005, link_bytes_per_s=10 * MB),
+    )
+    choice = choose_block(inputs)
+    rates = [expected_committed(inputs.acceptance, b) / round_cost_s(inputs, b) for b in range(1, 9)]
+    assert choice.block == 1 + max(range(8), key=rates.__getitem__)
+    assert 2 <= choice.block < 8  # worth speculating, not all the way
+
+
+def test_resident_with_high_acceptance_drafts_the_whole_block():
+    inputs = PolicyInputs(
+        acceptance=(0.9,) * 7,
+        prefix_fetch_bytes=(0,) * 8,
+        costs=RoundCosts(round_s=0.010, token_s=0.0005, draft_s=0.003, link_bytes_per_s=None),
+    )
+    choice = choose_block(inputs)
+    assert choice.block == 8
+    assert choice.expected_tokens == pytest.approx((1 - 0.9**8) / 0.1)
+    assert choice.tokens_per_s == pytest.approx(choice.expected_tokens / (0.010 + 8 * 0.0005 + 0.003))
+
+
+def test_ties_go_to_the_shorter_block():
+    inputs = PolicyInputs(
+        acceptance=(0.0,),
+        prefix_fetch_bytes=(0, 0),
+        costs=RoundCosts(round_s=0.01, token_s=0.0, draft_s=0.0, link_bytes_per_s=None),
+    )
+    assert choose_block(inputs).block == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"acceptance": (0.5,), "prefix_fetch_bytes": (1, 2, 3)}, "2 acceptance estimates"),
+        ({"acceptance": (1.5,), "prefix_fetch_bytes": (1, 2)}, "probabilities"),
+        ({"acceptance": (), "prefix_fetch_bytes": ()}, "at least b = 1"),
+        ({"acceptance": (0.5,), "prefix_fetch_bytes": (1, -2)}, "sizes >= 0"),
+    ],
+)
+def test_bad_policy_inputs_say_what_is_wrong(kwargs, message):
+    costs = RoundCosts(round_s=0.01, token_s=0.0, draft_s=0.0, link_bytes_per_s=None)
+    with pytest.raises(ValueError, match=message):
+        PolicyInputs(costs=costs, **kwargs)
+
+
+def test_bad_costs_and_priors_say_what_is_wrong():
+    with pytest.raises(ValueError, match="draft_s must be >= 0"):
+        RoundCosts(round_s=0.0, token_s=0.0, draft_s=-1.0, link_bytes_per_s=None)
+    with pytest.raises(ValueError, match="link_bytes_per_s must be > 0"):
+        RoundCosts(round_s=0.0, token_s=0.0, draft_s=0.0, link_bytes_per_s=0.0)
+    with pytest.raises(ValueError, match="sequence_decay"):
+        AcceptancePrior(sequence_decay=0.0)
+    with pytest.raises(ValueError, match="accepted_drafts=8"):
+        AcceptanceModel(8).for_sequence().observe(8, 8)
+
+
+def test_estimates_start_at_the_prior_and_follow_observations():
+    model = AcceptanceModel(4, AcceptancePrior(prior=0.6))
+    seq = model.for_sequence()
+    assert seq.estimate() == pytest.approx((0.6, 0.6, 0.6))
+    for _ in range(20):
+        seq.observe(4, 1)  # draft 1 accepted, draft 2 rejected, draft 3 never seen
+    a1, a2, a3 = seq.estimate()
+    assert a1 > 0.9 and a2 < 0.15
+    assert a3 == pytest.approx(model.global_estimate()[2])  # unobserved: the pooled estimate
+    assert model.global_estimate()[2] == pytest.approx(0.6, abs=1e-9)  # nobody saw position 3
+
+
+def test_a_run_of_rejections_backs_off_and_recovery_follows_acceptance():
+    """Loop the estimator through the policy: rejections -> plain decoding; the estimate drifts
+    back, the policy probes, and once drafts are accepted again it returns to the whole block."""
+    costs = RoundCosts(round_s=0.010, token_s=0.0005, draft_s=0.004, link_bytes_per_s=None)
+    model = AcceptanceModel(8)
+    seq = model.for_sequence()
+
+    def block() -> int:
+        return choose_block(PolicyInputs(acceptance=seq.estimate(), prefix_fetch_bytes=(0,) * 8, costs=costs)).block
+
+    assert block() > 1  # the prior is worth speculating on
+    for _ in range(10):  # the drafter stops matching
+        seq.observe(block(), 0)
+    assert block() == 1
+    chosen = []
+    for _ in range(200):  # plain decoding sees nothing; the estimate drifts back to the prior
+        b = block()
+        chosen.append(b)
+        if b > 1:
+            break
+        seq.observe(1, 0)
+    assert chosen[-1] > 1, "the policy never probed again"
+    assert len(chosen) > 3, "it probed at once: the back-off meant nothing"
+    for _ in range(10):  # acceptance has returned
+        b = block()
+        seq.observe(b, b - 1)
+    assert block() == 8
+
+
+def test_the_global_prior_carries_what_other_sequences_saw():
+    model = AcceptanceModel(3)
+    for _ in range(30):
+        model.for_sequence().observe(3, 2)
+    fresh = model.for_sequence()
+    assert all(a > 0.9 for a in fresh.estimate())
+    assert not math.isclose(fresh.estimate()[0], model.prior.prior)
