@@ -93,7 +93,7 @@ def test_prompt_ids_and_sampling_flags(capsys, tiny_target):
 
 def test_invalid_sampling_value_is_a_clear_error(capsys, tiny_target):
     assert main(["generate", "--target", str(tiny_target), "--prompt-ids", "1", "--temperature", "-1"]) == 2
-    assert "temperature must be a finite number >= 0, got -1" in capsys.readouterr().err
+    assert "temperature=-1.0 is invalid: it must be a finite number >= 0" in capsys.readouterr().err
 
 
 def test_missing_target_is_a_clear_error(capsys, tmp_path):
@@ -235,11 +235,11 @@ def test_serve_flags_become_server_settings(monkeypatch, tiny_target):
     monkeypatch.setenv(cli.API_KEY_ENV, "sk-env")
     argv = ["serve", "--max-model-len", "512", "--max-body-bytes", "1000", "--allowed-origins", "https://a.example"]
     args = cli.build_parser().parse_args(argv)
-    cli._engine_options(args)
+    cli.engine_options(args)
     settings = cli.server_settings(args)
     assert settings.api_key == "sk-env" and settings.max_model_len == 512 and settings.limits.max_body_bytes == 1000
     assert settings.allowed_origins == ("https://a.example",) and settings.model_name == default_target().name
     assert settings.sampling_defaults == {"temperature": 0.7, "top_p": 0.95}  # the bundled generation_config.json
     greedy = cli.build_parser().parse_args(["serve", "--greedy", "--api-key", "sk-flag", "--target", str(tiny_target)])
-    cli._engine_options(greedy)
+    cli.engine_options(greedy)
     assert cli.server_settings(greedy).sampling_defaults == {} and cli.server_settings(greedy).api_key == "sk-flag"

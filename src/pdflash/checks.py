@@ -14,12 +14,26 @@ from typing import Any
 import attrs
 
 
-def require_int(name: str, value: object, minimum: int = 1, *, why: str = "", optional: bool = False) -> None:
-    """ValueError unless `value` is an int (not a bool) >= `minimum`; None passes when `optional`."""
+def require_int(
+    name: str,
+    value: object,
+    minimum: int = 1,
+    *,
+    maximum: int | None = None,
+    why: str = "",
+    optional: bool = False,
+) -> None:
+    """ValueError unless `value` is an int (not a bool) >= `minimum` and <= `maximum`; None passes when `optional`."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(_message(name, value, f"an int >= {minimum}", why))
+    wanted = f"an int >= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        raise ValueError(_message(name, value, wanted + (" or None" if optional else ""), why))
 
 
 def require_number(

@@ -8,14 +8,19 @@ the target's own log-softmax (before any adjustment or temperature) at the emitt
 
 from __future__ import annotations
 
-import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import attrs
 import torch
 
+from pdflash.checks import require_int, require_number
+
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch.Generator seed takes, as int64
 MAX_TOP_LOGPROBS = 20
+
+
+def _ids(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -29,7 +34,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 = all tokens
     max_tokens: int = 64  # new tokens at most
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # finish after any of these
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ids)  # finish after any of these
     stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s))
     seed: int | None = None  # per-request generator seed
     presence_penalty: float = 0.0  # subtracted once from each token already generated, in [-2, 2]
@@ -41,58 +46,26 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: each emitted token's logprob and the k most likely alternatives
 
     def __attrs_post_init__(self) -> None:
-        _check(
-            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0,
-            f"temperature must be a finite number >= 0, got {self.temperature!r}",
-        )
-        _check(
-            isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-            f"top_p must be in (0, 1], got {self.top_p!r}",
-        )
-        _check(
-            isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
-            f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}",
-        )
-        _check(
-            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
-            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
-        )
+        require_number("temperature", self.temperature, 0)
+        require_number("top_p", self.top_p, 0, maximum=1, above=True)
+        require_int("top_k", self.top_k, 0, why="0 disables it")
+        require_int("max_tokens", self.max_tokens, 1)
         _check(
             all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
-            f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}",
+            f"stop_token_ids={list(self.stop_token_ids)!r} is invalid: it must be non-negative integers",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop),
-            f"stop must be non-empty strings, got {list(self.stop)!r}",
+            f"stop={list(self.stop)!r} is invalid: it must be non-empty strings",
         )
-        _check(
-            self.seed is None
-            or (
-                isinstance(self.seed, int)
-                and not isinstance(self.seed, bool)
-                and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
-            ),
-            f"seed must be an integer in [-2**63, 2**63 - 1] or None, got {self.seed!r}",
-        )
+        require_int("seed", self.seed, SEED_RANGE[0], maximum=SEED_RANGE[1], optional=True)
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {value!r}")
-        _check(
-            _is_number(self.repetition_penalty)
-            and math.isfinite(self.repetition_penalty)
-            and self.repetition_penalty > 0,
-            f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}",
-        )
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(
-            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
-        )
-        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-            f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}",
-        )
+            require_number(name, getattr(self, name), -2, maximum=2)
+        require_number("repetition_penalty", self.repetition_penalty, 0, above=True, why="1 disables it")
+        require_number("min_p", self.min_p, 0, maximum=1)
+        require_int("min_tokens", self.min_tokens, 0, maximum=self.max_tokens, why=f"max_tokens={self.max_tokens}")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos={self.ignore_eos!r} is invalid: it must be a boolean")
+        require_int("logprobs", self.logprobs, 0, maximum=MAX_TOP_LOGPROBS, optional=True)
 
     @property
     def penalized(self) -> bool:
@@ -112,14 +85,6 @@ class SamplingParams:
         else:
             generator.seed()
         return generator
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @attrs.frozen

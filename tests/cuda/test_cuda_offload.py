@@ -41,7 +41,9 @@ def test_offloaded_on_cuda_equals_resident_through_pinned_memory(resident, expec
     provider, store = loaded.model.experts, loaded.model.experts.store
     assert store.pinned == len(store.keys), "every expert is held in pinned host memory"
     assert all(store.expert(k).gate.is_pinned() and store.expert(k).down.is_pinned() for k in store.keys)
-    assert provider.link.label == "device" and provider.gate.is_cuda and provider.lane.stream is not None
+    assert (
+        provider.link.label == "device" and provider.arena.tensors["gate"].is_cuda and provider.lane.stream is not None
+    )
     for prompt, want in zip(PROMPTS, expected):
         torch.testing.assert_close(
             prompt_logits(loaded.model, prompt), prompt_logits(resident.model, prompt), rtol=0, atol=1e-5

@@ -365,7 +365,7 @@ async def test_a_full_waiting_queue_raises_overloaded(make_engine):
 @pytest.mark.asyncio
 async def test_invalid_requests_are_rejected_before_anything_is_queued(make_engine):
     async with make_engine() as engine:
-        with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got -1"):
+        with pytest.raises(ValueError, match="temperature=-1 is invalid: it must be a finite number >= 0"):
             engine.generate(PROMPTS[0], {"temperature": -1})
         with pytest.raises(ValueError, match=r"unknown fields \['temprature'\]"):
             engine.generate(PROMPTS[0], {"temprature": 0.5})

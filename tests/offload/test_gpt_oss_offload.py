@@ -71,7 +71,10 @@ def test_offloaded_at_a_tenth_equals_resident(checkpoint):
     try:
         assert provider.num_slots < len(provider.store.keys) // 5
         if form == "mxfp4":  # the arena holds experts as stored: packed blocks and E8M0 scales
-            assert provider.arena["gate_up"].dtype == torch.uint8 and provider.arena["down_scales"].dtype == torch.uint8
+            assert (
+                provider.arena.tensors["gate_up"].dtype == torch.uint8
+                and provider.arena.tensors["down_scales"].dtype == torch.uint8
+            )
         expected = resident.forward([torch.tensor(PROMPT)], [resident.new_cache()]).logits
         got = offloaded.model.forward([torch.tensor(PROMPT)], [offloaded.model.new_cache()]).logits
         assert torch.equal(got, expected)

@@ -217,8 +217,8 @@ def test_cache_stays_in_budget_and_pinned_experts_survive_concurrency(store, con
         raise failures[0]
     stats = provider.stats()
     assert stats["expert_cache_peak_bytes"] <= stats["expert_cache_bytes"]
-    assert sum(t.nbytes for t in provider.arena.values()) <= stats["expert_cache_bytes"]
-    assert all(entry.pins == 0 for entry in provider._table.values())
+    assert sum(t.nbytes for t in provider.arena.tensors.values()) <= stats["expert_cache_bytes"]
+    assert all(entry.pins == 0 for entry in provider._slots.entries.values())
 
 
 @settings(max_examples=20, **HYPOTHESIS)
@@ -314,7 +314,7 @@ def test_corrupt_expert_fails_only_the_forward_that_needs_it(resident, offloaded
     with pytest.raises(ExpertFetchError, match=message):
         prompt_logits(loaded.model, prompt_a)
     assert (layer, victim) not in provider.resident()
-    assert all(entry.pins == 0 for entry in provider._table.values())
+    assert all(entry.pins == 0 for entry in provider._slots.entries.values())
     torch.testing.assert_close(
         prompt_logits(loaded.model, prompt_b), prompt_logits(resident.model, prompt_b), rtol=0, atol=1e-5
     )

@@ -1,6 +1,6 @@
 """Harmony channels: `final` becomes content, `analysis` reasoning_content, whole or streamed.
 
-The splitter is checked on every way a stream can cut the text; the chat reply on a scripted
+The channel parser is checked on every way a stream can cut the text; the chat reply on a scripted
 engine stream (an engine double: it isolates the server's formatting from model outputs,
 which for random tiny weights never form harmony messages).
 """
@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdflash.chat.families import HARMONY
-from pdflash.chat.harmony import ChannelSplitter, speaks_harmony, split_channels
+from pdflash.chat.deltas import ChatMessage
+from pdflash.chat.families import HARMONY, TurnSetup
+from pdflash.chat.harmony import speaks_harmony, split_channels
+from pdflash.chat.harmony_calls import HarmonyChannels
 from pdflash.engine.outputs import RequestMetrics, RequestOutput
 from pdflash.server.chat import ChatSetup, ChatTurn
 from pdflash.server.completions import _Reply
@@ -35,9 +37,9 @@ def stream_of(text: str, cuts: list[int]) -> list[str]:
 
 
 def streamed_split(deltas: list[str]) -> tuple[str, str]:
-    splitter = ChannelSplitter()
-    pieces = [p for d in deltas for p in splitter.feed(d)] + splitter.finish()
-    return "".join(p.text for p in pieces if not p.reasoning), "".join(p.text for p in pieces if p.reasoning)
+    parser = HarmonyChannels()
+    message = ChatMessage.assemble([*(parser.feed(d) for d in deltas), parser.finish()])
+    return message.content, message.reasoning
 
 
 def test_whole_completion_splits_into_final_and_analysis():
@@ -119,7 +121,7 @@ def reply_for(engine):
         chat=chat,
         max_model_len=TINY_GPT_OSS_CONFIG["max_position_embeddings"],
     )
-    turn = ChatTurn("", "", chat.family.new_parser(None), chat.end_tokens)
+    turn = ChatTurn("", "", chat.family.new_parser(TurnSetup(prompt="", tool_names=None)), chat.end_tokens)
     return _Reply(state, "r", 0, chat=True, ids=["r"], logprobs=False, turns=[turn])
 
 

@@ -2,19 +2,18 @@
 real server (uvicorn, the engine, the tiny random checkpoint) serving the Qwen3 chat template.
 
 A random tiny model never writes a tool call by itself, so the test steers its output with a
-test double of the model output only: `ScriptedSampler` replaces the sampling function the
-speculator calls, so each sampled token is the next token of a script. Everything else is
-real — prefill and decode forwards, the engine loop, detokenization, the chat template, the
-parsers, SSE. Rendered prompts are checked against `transformers`' `apply_chat_template`.
+test double of the model output only: `ScriptedSampler` (tests/scripted_output.py) replaces
+the sampling function the speculator calls, so each sampled token is the next token of a
+script. Everything else is real — prefill and decode forwards, the engine loop,
+detokenization, the chat template, the parsers, SSE. Rendered prompts are checked against `transformers`' `apply_chat_template`.
 """
 
 import json
-from collections import deque
 from pathlib import Path
 
 import openai
 import pytest
-import torch
+from scripted_output import WEATHER, ScriptedSampler, record_prompts, reply_parts, streamed_calls, ws_generation
 from websockets.sync.client import connect
 
 import pdflash.spec.speculator
@@ -22,19 +21,12 @@ from pdflash.chat.families import PLAIN
 from pdflash.chat.template import ChatTemplate
 from pdflash.engine.async_engine import AsyncEngine
 from pdflash.server import BackgroundServer, ServerSettings, create_app
-from pdflash.server.chat import ChatSetup, parse_chat_request, prepare_turn
+from pdflash.server.chat import ChatSetup, prepare_turn
+from pdflash.server.chat_request import parse_chat_request
 from pdflash.server.errors import APIError
 
 TEMPLATE = Path(__file__).parents[1] / "chat" / "fixtures" / "qwen3_chat_template.jinja"
 MODEL = "tiny"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 QUESTION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"}]
 THINK_THEN_CALL = (
     "<think>\nThe user wants the weather; call the tool.\n</think>\n\n"
@@ -42,37 +34,11 @@ THINK_THEN_CALL = (
 )
 
 
-class ScriptedSampler:
-    """Test double of the model output only: stands in for `sample(logits, params, generator)`.
-
-    Each call returns the next token of the script (then end-of-sequence), one per row of
-    logits; requests run one at a time, without a drafter, so every call is one token.
-    """
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.eos = tokenizer.token_id("<|endoftext|>")
-        self.script: deque[int] = deque()
-
-    def say(self, text: str) -> None:
-        self.script = deque(self.tokenizer.encode(text))
-
-    def __call__(self, logits, params, generator):
-        return torch.tensor([self.script.popleft() if self.script else self.eos for _ in range(logits.shape[0])])
-
-
 @pytest.fixture(scope="module")
 def served(tiny_target):
     """(server, sampler, prompts the engine was asked to continue)."""
     engine = AsyncEngine.from_pretrained(tiny_target, None, max_num_seqs=2)
-    prompts: list[str] = []
-    generate = engine.generate
-
-    def recording_generate(prompt, *args, **kwargs):  # a spy: records (as text), changes nothing
-        prompts.append(engine.tokenizer.decode(prompt) if isinstance(prompt, list) else prompt)
-        return generate(prompt, *args, **kwargs)
-
-    engine.generate = recording_generate
+    prompts = record_prompts(engine)
     sampler = ScriptedSampler(engine.tokenizer)
     settings = ServerSettings(model_name=MODEL, default_max_tokens=200, chat_template=TEMPLATE)
     with pytest.MonkeyPatch.context() as patch:
@@ -99,19 +65,6 @@ def transformers_tokenizer(tiny_target):
 
 def expected_prompt(hf, messages, tools=None, **kwargs):
     return hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
-
-
-def streamed_calls(chunks):
-    """Tool calls accumulated from streamed deltas by index, as agents do; plus pieces per call."""
-    calls: dict[int, dict] = {}
-    for chunk in chunks:
-        for d in (chunk.choices[0].delta.tool_calls if chunk.choices else None) or []:
-            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": "", "pieces": 0})
-            call["id"] = d.id or call["id"]
-            call["name"] = (d.function.name if d.function else None) or call["name"]
-            call["arguments"] += (d.function.arguments or "") if d.function else ""
-            call["pieces"] += 1
-    return [calls[i] for i in sorted(calls)]
 
 
 def test_a_tool_call_comes_back_parsed_whole_and_streamed(served, client, transformers_tokenizer):
@@ -204,17 +157,7 @@ def test_forced_tool_choice_starts_the_turn_with_a_call(
     )
     rendered = expected_prompt(transformers_tokenizer, QUESTION, [WEATHER])
     assert prompts[-1] == rendered + "<think>\n\n</think>\n\n<tool_call>\n" + forced  # the turn opens with a call
-    if stream:
-        chunks = list(response)
-        (call,) = streamed_calls(chunks)
-        name, arguments, reason = call["name"], call["arguments"], chunks[-1].choices[0].finish_reason
-    else:
-        (tool_call,) = response.choices[0].message.tool_calls
-        name, arguments, reason = (
-            tool_call.function.name,
-            tool_call.function.arguments,
-            response.choices[0].finish_reason,
-        )
+    _, [(name, arguments)], reason = reply_parts(response, stream)
     assert (name, json.loads(arguments), reason) == ("get_weather", {"city": "Oslo"}, "tool_calls")
 
 
@@ -232,14 +175,7 @@ def test_malformed_tool_call_text_is_plain_content_not_an_error(served, client, 
     _, sampler, _ = served
     sampler.say("Let me look. " + text)
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER], stream=stream)
-    if stream:
-        chunks = list(response)
-        content = "".join(c.choices[0].delta.content or "" for c in chunks)
-        calls, reason = streamed_calls(chunks), chunks[-1].choices[0].finish_reason
-    else:
-        message = response.choices[0].message
-        content, calls, reason = message.content, message.tool_calls or [], response.choices[0].finish_reason
-    assert (content, calls, reason) == ("Let me look. " + text, [], "stop")
+    assert reply_parts(response, stream) == ("Let me look. " + text, [], "stop")
 
 
 def test_json_that_breaks_after_a_streamed_call_began_keeps_the_text_as_written(served, client):
@@ -290,15 +226,7 @@ def test_websocket_chat_starts_take_tools_and_stream_parsed_deltas(served, trans
         "chat_template_kwargs": {"enable_thinking": True},
         "params": {"max_tokens": 200},
     }
-    with connect(server.ws_url) as ws:
-        ws.send(json.dumps(start))
-        deltas, done = [], None
-        while done is None:
-            msg = json.loads(ws.recv())
-            if msg["type"] == "delta" and msg["id"] == 7:
-                deltas.append(msg["delta"])
-            elif msg["type"] in ("done", "error"):
-                done = msg
+    deltas, done = ws_generation(server.ws_url, start)
     assert prompts[-1] == expected_prompt(transformers_tokenizer, QUESTION, [WEATHER], enable_thinking=True)
     assert done["type"] == "done" and done["finish_reason"] == "tool_calls"
     calls = [c for d in deltas for c in d.get("tool_calls", [])]

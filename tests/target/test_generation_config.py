@@ -23,7 +23,11 @@ def test_fields_read_do_sample_false_is_greedy_and_no_file_is_no_defaults(tmp_pa
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [("{", "not valid JSON"), ("[1]", "must be a JSON object"), ('{"top_p": 3}', r"top_p must be in \(0, 1\]")],
+    [
+        ("{", "not valid JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"top_p": 3}', r"top_p=3 is invalid: it must be a finite number > 0 and <= 1"),
+    ],
 )
 def test_a_bad_file_names_itself_and_the_field(tmp_path, content, message):
     (tmp_path / "generation_config.json").write_text(content)

@@ -50,5 +50,5 @@ def test_system_prompt_becomes_developer_instructions(directory):
 
 def test_unknown_role_is_rejected_naming_it(directory):
     tokenizer = TextTokenizer(directory, TINY_GPT_OSS_CONFIG["vocab_size"])
-    with pytest.raises(ValueError, match="got tool"):
-        tokenizer.chat_template.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="got system"):  # only the first message may be system / developer
+        tokenizer.chat_template.render([{"role": "user", "content": "x"}, {"role": "system", "content": "late"}])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pdflash.bench.configs import CONFIGS
@@ -168,20 +169,20 @@ def _emit(args, header: dict, points, markdown: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pdflash.bench import bench_main
 
-    try:
-        check_positive(args)
-        return bench_main.run(args)
-    except ValueError as exc:
-        print(f"pdflash bench: {exc}", file=sys.stderr)
-        return 2
+    return _run("bench", bench_main.run, args)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pdflash.bench import simulate_main
 
+    return _run("simulate", simulate_main.run, args)
+
+
+def _run(name: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`run(args)` after the positive-value checks; a bad value is one line on stderr and exit code 2."""
     try:
         check_positive(args)
-        return simulate_main.run(args)
+        return run(args)
     except ValueError as exc:
-        print(f"pdflash simulate: {exc}", file=sys.stderr)
+        print(f"pdflash {name}: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ slots, pins held by the layer a forward is running, claims held by route-ahead p
 until a forward reaches their layer, and the REAL eviction policy (`make_policy`) choosing
 among unpinned ready experts (claimed last, then lowest score). One serial copy engine runs
 jobs in priority order (on-demand > route-ahead), each taking bytes / link rate, like the
-emulated link's pipe. Counts what OffloadStats counts. Must not schedule or compute.
+emulated link's pipe. Counts in the real cache's `Counters`. Must not schedule or compute.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
+from pdflash.offload.cache_stats import Counters
 from pdflash.offload.eviction import make_policy
 from pdflash.offload.prefetch import Priority
 from pdflash.target.experts import ExpertKey
@@ -43,19 +44,6 @@ class _Job:
     reserved: _Entry | None  # on-demand: the forward reserved its slot already
 
 
-@attrs.define
-class CacheCounters:
-    expert_bytes_fetched: int = 0
-    fetches: int = 0
-    hit_bytes: int = 0
-    miss_bytes: int = 0
-    evictions: int = 0
-    prefetch_bytes: int = 0
-    prefetch_dropped: int = 0
-    prefetch_waste_bytes: int = 0
-    exposed_fetch_s: float = 0.0
-
-
 class SimCache:
     """Slots, pins, claims, the eviction policy and the copy engine of one simulated run."""
 
@@ -65,7 +53,7 @@ class SimCache:
         self.byte_map, self.slots, self.rate = byte_map, slots, link_bytes_per_s
         self.policy = make_policy(policy)
         self.table: dict[ExpertKey, _Entry] = {}
-        self.counters = CacheCounters()
+        self.counters = Counters()  # the real cache's counters (the subset a simulation moves)
         self._queue: list[tuple[int, int, _Job]] = []
         self._order = itertools.count()
         self._link_free_at = 0.0

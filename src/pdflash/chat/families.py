@@ -5,8 +5,9 @@ template (`--chat-parser auto` picks the first family whose markers the template
 A family bundles what differs between model lines: the parser that splits a turn into
 reasoning, content and tool calls, and the text that, appended to the prompt, makes the
 turn start with a tool call (how `tool_choice: "required"` or a named function is
-enforced). `qwen3` is Qwen3's `<think>` reasoning plus hermes `<tool_call>` blocks; a
-family for another line (gpt-oss harmony) registers itself the same way. Must not render
+enforced), and the special tokens that end a turn whatever the checkpoint's EOS list says
+(harmony's `<|call|>`). `qwen3` is Qwen3's `<think>` reasoning plus hermes `<tool_call>`
+blocks; `harmony` is gpt-oss's channels with tool calls on `commentary`. Must not render
 templates or know the HTTP wire format.
 """
 
@@ -19,7 +20,8 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from pdflash.chat.deltas import EMPTY, ChatDelta, OutputParser, PlainOutput
-from pdflash.chat.harmony import HarmonyChannels
+from pdflash.chat.harmony import CALL
+from pdflash.chat.harmony_calls import FUNCTIONS, HarmonyChannels
 from pdflash.chat.reasoning import CONTENT, REASONING, START, ThinkReasoning
 from pdflash.chat.tool_parsers import HermesToolCalls
 
@@ -57,6 +59,7 @@ class ChatFamily:
     new_parser: Callable[[TurnSetup], OutputParser]
     forcing_prefix: Callable[[str, ToolChoice], str] | None  # (prompt, choice) -> text; None: no tool calls
     summary: str  # one line for --help and the docs
+    stop_markers: tuple[str, ...] = ()  # special tokens that end the turn (added to the request's stop ids)
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -132,20 +135,37 @@ PLAIN = ChatFamily(
     summary="all text is content; no reasoning or tool-call parsing",
 )
 
+# -- harmony (gpt-oss) -----------------------------------------------------------------------------
+
+
+def _harmony_parser(setup: TurnSetup) -> OutputParser:
+    return HarmonyChannels(setup.tool_names, new_id=setup.new_id, streaming=setup.streaming, max_calls=setup.max_calls)
+
+
+def _harmony_forcing_prefix(prompt: str, choice: ToolChoice) -> str:
+    """After the prompt's `<|start|>assistant`, a commentary header addressed to a function (or the named one)."""
+    head = "<|channel|>commentary to=" + FUNCTIONS
+    if choice.mode == "function":
+        head += f"{choice.name} <|constrain|>json<|message|>"
+    return head
+
+
 HARMONY = ChatFamily(
     name="harmony",
     detect=lambda source: "<|channel|>" in source,
-    new_parser=lambda setup: HarmonyChannels(),
-    forcing_prefix=None,
-    summary="gpt-oss harmony: the analysis channel → reasoning_content, other channels → content; no tool calls yet",
+    new_parser=_harmony_parser,
+    forcing_prefix=_harmony_forcing_prefix,
+    summary="gpt-oss harmony: analysis → reasoning_content, other channels → content; "
+    "commentary to=functions.NAME → tool_calls",
+    stop_markers=(CALL,),
 )
 
 FAMILIES: dict[str, ChatFamily] = {f.name: f for f in (QWEN3, HARMONY, PLAIN)}
 
 
 def register(family: ChatFamily) -> None:
-    """Add a family, e.g. gpt-oss harmony: `register(ChatFamily(name="harmony", detect=lambda s:
-    "<|channel|>" in s, new_parser=..., forcing_prefix=..., summary=...))`. Its parser gets
+    """Add a family: `register(ChatFamily(name=..., detect=lambda source: "<marker>" in source,
+    new_parser=..., forcing_prefix=..., summary=...))`, as `qwen3` and `harmony` are. Its parser gets
     token ids with the text (`OutputParser.feed`); auto detection tries families in
     registration order (`plain` never matches)."""
     FAMILIES[family.name] = family

@@ -1,21 +1,25 @@
-"""Harmony (gpt-oss) output split into channels: `final` is the reply, `analysis` the reasoning.
+"""Harmony (gpt-oss) output read as messages: a header, then a body, then an end marker.
 
 The model writes messages as `<|channel|>NAME<|message|>TEXT<|end|>` (after the prompt's
 `<|start|>assistant`; later messages repeat `<|start|>assistant`), ending its turn with
-`<|return|>` or `<|call|>`. As vLLM does, text of the `analysis` channel becomes
-`reasoning_content` and every other channel's text `content`; headers and markers are dropped.
-The splitter is incremental: deltas may cut a marker anywhere, and it holds back only what
-could still be the start of one.
+`<|return|>` or, after a tool call, `<|call|>`. A tool call is a `commentary` message whose
+header names a recipient: `<|channel|>commentary to=functions.NAME <|constrain|>json`
+(the recipient may also stand before the channel: `<|start|>assistant to=functions.NAME`).
+Owns `MessageScanner`, which turns a stream of decoded text into header / body / end
+events (holding back only what could still be the start of a marker), `Header`, what a
+header says, and `split_channels`, the plain reasoning / content split of a completion.
+The chat parser built on these events, with the tool calls, is `harmony_calls`.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 
-from pdflash.chat.deltas import ChatDelta
-
-MESSAGE, CHANNEL = "<|message|>", "<|channel|>"
-MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+MESSAGE, CHANNEL, CONSTRAIN = "<|message|>", "<|channel|>", "<|constrain|>"
+CALL = "<|call|>"
+MESSAGE_ENDS = ("<|end|>", "<|return|>", CALL)
 MARKER_MAX_CHARS = 16  # longer than any harmony marker ("<|constrain|>" is 13)
 REASONING_CHANNEL = "analysis"
 
@@ -26,22 +30,43 @@ def speaks_harmony(tokenizer) -> bool:
 
 
 @attrs.frozen
-class ChannelDelta:
-    reasoning: bool  # analysis channel (reasoning_content) or any other (content)
-    text: str
+class Header:
+    """What a message's header says: its channel and, for a tool call, its recipient."""
+
+    channel: str  # "final" when the header names none
+    recipient: str | None  # e.g. "functions.get_weather"; None: the message is for the user
+
+    @classmethod
+    def parse(cls, text: str) -> Header:
+        """`<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json` and the like."""
+        role_part, _, channel_part = text.partition(CHANNEL)
+        channel_words = channel_part.replace(CONSTRAIN, " ").split()
+        words = role_part.split() + channel_words[1:]
+        recipient = next((w.removeprefix("to=") for w in words if w.startswith("to=")), None)
+        return cls(channel=channel_words[0] if channel_words else "final", recipient=recipient or None)
+
+    @property
+    def reasoning(self) -> bool:
+        return self.channel == REASONING_CHANNEL
 
 
-class ChannelSplitter:
-    """Feed decoded text deltas; get (reasoning?, text) pieces of message bodies in order."""
+@attrs.frozen
+class Event:
+    kind: Literal["header", "body", "end"]
+    text: str  # the header's text, the next body text, or the end marker
+
+
+class MessageScanner:
+    """Feed decoded text deltas; get the header, body and end events of its messages in order."""
 
     def __init__(self) -> None:
         self._pending = ""  # text not yet classified (may end in part of a marker)
         self._header = ""  # the current message's header so far
-        self._reasoning: bool | None = None  # None: in a header; else the body's channel kind
+        self._in_body = False
 
-    def feed(self, text: str) -> list[ChannelDelta]:
+    def feed(self, text: str) -> list[Event]:
         self._pending += text
-        out: list[ChannelDelta] = []
+        out: list[Event] = []
         while self._pending:
             start = self._pending.find("<|")
             if start < 0:
@@ -62,76 +87,54 @@ class ChannelSplitter:
             self._marker(marker, out)
         return _merged(out)
 
-    def finish(self) -> list[ChannelDelta]:
+    def finish(self) -> list[Event]:
         """What is left at the end of the stream (a body cut short by a length limit, say)."""
-        out: list[ChannelDelta] = []
+        out: list[Event] = []
         self._plain(self._pending, out)
         self._pending = ""
         return out
 
-    def _plain(self, text: str, out: list[ChannelDelta]) -> None:
+    def _plain(self, text: str, out: list[Event]) -> None:
         if not text:
             return
-        if self._reasoning is None:
-            self._header += text
+        if self._in_body:
+            out.append(Event("body", text))
         else:
-            out.append(ChannelDelta(self._reasoning, text))
+            self._header += text
 
-    def _marker(self, marker: str, out: list[ChannelDelta]) -> None:
-        if self._reasoning is not None:  # in a body
+    def _marker(self, marker: str, out: list[Event]) -> None:
+        if self._in_body:
             if marker in MESSAGE_ENDS:
-                self._reasoning, self._header = None, ""
+                self._in_body, self._header = False, ""
+                out.append(Event("end", marker))
             else:
-                out.append(ChannelDelta(self._reasoning, marker))
+                out.append(Event("body", marker))
         elif marker == MESSAGE:
-            self._reasoning = _channel(self._header) == REASONING_CHANNEL
+            self._in_body = True
+            out.append(Event("header", self._header))
         else:
             self._header += marker
 
 
-def split_channels(text: str) -> tuple[str, str]:
-    """(content, reasoning_content) of a whole harmony completion."""
-    splitter = ChannelSplitter()
-    pieces = splitter.feed(text) + splitter.finish()
-    return (
-        "".join(p.text for p in pieces if not p.reasoning),
-        "".join(p.text for p in pieces if p.reasoning),
-    )
-
-
-def _channel(header: str) -> str:
-    """The channel a header names (`...<|channel|>analysis`, `<|channel|>commentary to=x <|constrain|>json`)."""
-    if CHANNEL not in header:
-        return "final"
-    name = header.split(CHANNEL, 1)[1].split("<|", 1)[0].split()
-    return name[0] if name else "final"
-
-
-def _merged(pieces: list[ChannelDelta]) -> list[ChannelDelta]:
-    merged: list[ChannelDelta] = []
-    for piece in pieces:
-        if merged and merged[-1].reasoning == piece.reasoning:
-            merged[-1] = ChannelDelta(piece.reasoning, merged[-1].text + piece.text)
+def _merged(events: list[Event]) -> list[Event]:
+    merged: list[Event] = []
+    for event in events:
+        if merged and merged[-1].kind == event.kind == "body":
+            merged[-1] = Event("body", merged[-1].text + event.text)
         else:
-            merged.append(piece)
+            merged.append(event)
     return merged
 
 
-class HarmonyChannels:
-    """The chat OutputParser of the harmony family: `analysis` text is reasoning, the rest content."""
-
-    def __init__(self) -> None:
-        self._splitter = ChannelSplitter()
-
-    def feed(self, text: str, token_ids: object = ()) -> ChatDelta:
-        return _as_delta(self._splitter.feed(text))
-
-    def finish(self) -> ChatDelta:
-        return _as_delta(self._splitter.finish())
-
-
-def _as_delta(pieces: list[ChannelDelta]) -> ChatDelta:
-    return ChatDelta(
-        reasoning="".join(p.text for p in pieces if p.reasoning),
-        content="".join(p.text for p in pieces if not p.reasoning),
-    )
+def split_channels(text: str) -> tuple[str, str]:
+    """(content, reasoning_content) of a whole harmony completion: every body, headers dropped."""
+    scanner = MessageScanner()
+    content: list[str] = []
+    reasoning: list[str] = []
+    reasoning_body = False
+    for event in scanner.feed(text) + scanner.finish():
+        if event.kind == "header":
+            reasoning_body = Header.parse(event.text).reasoning
+        elif event.kind == "body":
+            (reasoning if reasoning_body else content).append(event.text)
+    return "".join(content), "".join(reasoning)

@@ -38,8 +38,8 @@ class HermesToolCalls:
         self._buf = ""  # outside a block: undecided text; inside: the block's text so far
         self._in_block = False
         self._space = ""  # trailing whitespace of the content, held until we know what follows
-        self._live: _LiveCall | None = None  # the announced call whose arguments are streaming
-        self._object: _ValueEnd | None = None  # the open block's JSON object, once its `{` arrived
+        self._live: LiveArguments | None = None  # the announced call whose arguments are streaming
+        self._object: ValueEnd | None = None  # the open block's JSON object, once its `{` arrived
         self._buffered = False  # this block cannot be streamed: it is judged once it closes
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -104,7 +104,7 @@ class HermesToolCalls:
             end = self._live.span.scan(self._buf)
             return -1 if end is None else self._buf.find(CLOSE, end)
         if self._object is None and (lead := self._buf.lstrip(_SPACE)).startswith("{"):
-            self._object = _ValueEnd(len(self._buf) - len(lead))
+            self._object = ValueEnd(len(self._buf) - len(lead))
         end = self._object.scan(self._buf) if self._object is not None else None
         return self._buf.find(CLOSE, end or 0)
 
@@ -134,17 +134,17 @@ class HermesToolCalls:
             self._buffered = True
             return []
         name, start = head
-        self._live = _LiveCall(index=self._call_index(), start=start)
+        self._live = LiveArguments(index=self._call_index(), start=start)
         first = ToolCallDelta(index=self._live.index, id=self.new_id(), name=name)
         return [first, *self._live.arguments(self._buf)]
 
 
-class _LiveCall:
+class LiveArguments:
     """An announced call: its arguments' span in the block text and how far it went out."""
 
     def __init__(self, *, index: int, start: int) -> None:
         self.index = index
-        self.span = _ValueEnd(start)  # the arguments object, from its `{`
+        self.span = ValueEnd(start)  # the arguments object, from its `{`
         self.sent = start  # block text before this has gone out
 
     def arguments(self, block: str) -> list[ToolCallDelta]:
@@ -154,7 +154,7 @@ class _LiveCall:
         return [ToolCallDelta(index=self.index, arguments=piece)] if piece else []
 
 
-class _ValueEnd:
+class ValueEnd:
     """Where one JSON object or array that opens at `start` ends (brackets outside strings).
 
     Incremental: each `scan` of the growing text goes on from where the last one stopped.
@@ -262,7 +262,7 @@ def parse_call(block: str) -> tuple[str, str] | None:
         return None
     head = scan_head(block)
     if isinstance(head, tuple) and block[head[1]] == "{":
-        end = _ValueEnd(head[1]).scan(block)
+        end = ValueEnd(head[1]).scan(block)
         if end is not None and _loads(block[head[1] : end]) == arguments:
             return call["name"], block[head[1] : end]
     return call["name"], json.dumps(arguments, ensure_ascii=False)

@@ -1,7 +1,6 @@
 """The `pdflash` command line: generate, serve, bench, simulate, train-drafter, make-tiny."""
 
-from pdflash.cli.commands import (
-    API_KEY_ENV,
+from pdflash.cli.errors import (
     EXIT_ADDRESS,
     EXIT_BROKEN_PIPE,
     EXIT_DEVICE,
@@ -10,10 +9,10 @@ from pdflash.cli.commands import (
     EXIT_MODEL,
     EXIT_USAGE,
     UserError,
-    _engine_options,
-    server_settings,
 )
+from pdflash.cli.options import engine_options
 from pdflash.cli.parser import build_parser, main
+from pdflash.cli.serve import API_KEY_ENV, server_settings
 
 __all__ = [
     "API_KEY_ENV",
@@ -25,8 +24,8 @@ __all__ = [
     "EXIT_MODEL",
     "EXIT_USAGE",
     "UserError",
-    "_engine_options",
     "build_parser",
+    "engine_options",
     "main",
     "server_settings",
 ]

@@ -1,70 +1,26 @@
-"""What each `pdflash` subcommand does (generate, serve, train-drafter, make-tiny), and the exit codes.
+"""What `pdflash generate`, `train-drafter` and `make-tiny` do (serve is in pdflash.cli.serve).
 
-A user error is one line on stderr (`pdflash: ...`) and a distinct exit code (the EXIT_*
-constants, listed in docs/cli.md); Ctrl+C and a closed stdout end quietly. The flags live in
-pdflash.cli.parser; bench and simulate in pdflash.bench.
+Owns running one request and printing it (text, or one JSON object with --json), training
+a drafter from text files with its cached training data, and writing tiny checkpoints. A
+user error is a `UserError` (pdflash.cli.errors). The flags live in pdflash.cli.parser;
+bench and simulate in pdflash.bench.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import attrs
 
-from pdflash.bundled import default_drafter, default_target
+from pdflash.cli.errors import EXIT_FILE, EXIT_MODEL, UserError
+from pdflash.cli.options import check_device, engine_options, load_engine
 from pdflash.errors import CheckpointError
 from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams
-
-EXIT_USAGE = 2  # a bad flag or value (argparse's code too)
-EXIT_MODEL = 3  # a checkpoint, config or generation_config that cannot be used
-EXIT_FILE = 4  # a file or directory that is missing, already exists or cannot be written
-EXIT_ADDRESS = 5  # serve: the host/port cannot be bound
-EXIT_DEVICE = 6  # the torch device does not exist in this build / on this machine
-EXIT_INTERRUPTED = 130  # Ctrl+C (128 + SIGINT), quietly
-EXIT_BROKEN_PIPE = 141  # stdout closed early (`| head`; 128 + SIGPIPE), quietly
-API_KEY_ENV = "PDFLASH_API_KEY"
-
-
-class UserError(Exception):
-    """One line for stderr and its exit code."""
-
-    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in 0..65535, got {text}")
-    return value
-
-
-def _check_device(device: str) -> None:
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except RuntimeError as exc:
-        raise UserError(f"--device {device!r} is not a torch device ({exc}); e.g. cpu or cuda") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(
-            f"--device {device} is not available: this torch build or machine has no CUDA device; use --device cpu",
-            EXIT_DEVICE,
-        )
 
 
 def _sampling(args: argparse.Namespace, target: Path) -> SamplingParams:
@@ -93,52 +49,14 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     return tokenizer.encode(args.prompt)
 
 
-def _engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
-    """Resolve the default model; read the engine settings (speculation, verify budgets) and the offload
-    flags shared by generate and serve."""
-    from pdflash.engine.config import VERIFY_BUDGETS
-
-    if args.target is None:
-        args.target = default_target()
-        args.drafter = args.drafter or default_drafter(args.target)
-    budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
-    budgets["speculation"] = args.speculation
-    if args.expert_cache_bytes is None and args.expert_cache_fraction is None:
-        if args.emulate_link_gbps is not None:
-            raise ValueError(
-                "--emulate-link-gbps needs --expert-cache-bytes or --expert-cache-fraction "
-                "(without offloading no expert crosses a link)"
-            )
-        return budgets, None
-    return budgets, {
-        "expert_cache_bytes": args.expert_cache_bytes,
-        "expert_cache_fraction": args.expert_cache_fraction,
-        "policy": args.eviction,
-        "link_gbps": args.emulate_link_gbps,
-    }
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     import anyio
 
-    from pdflash.engine.async_engine import AsyncEngine
-
     try:
-        _check_device(args.device)
-        budgets, offload = _engine_options(args)
+        check_device(args.device)
+        budgets, offload = engine_options(args)
         params = _sampling(args, args.target)
-        engine = AsyncEngine.from_pretrained(
-            args.target,
-            None if args.no_spec else args.drafter,
-            block_size=args.block_size,
-            projector=args.projector,
-            dtype=args.dtype,
-            device=args.device,
-            progress=not args.json,
-            max_num_seqs=1,
-            offload=offload,
-            **budgets,
-        )
+        engine = load_engine(args, budgets, offload, progress=not args.json, max_num_seqs=1)
         prompt = _prompt_ids(args, engine.tokenizer)
         result = anyio.run(_generate_one, engine, prompt, params, not args.json)
     except CheckpointError as exc:
@@ -285,112 +203,6 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             )
         )
     return 0
-
-
-def server_settings(args: argparse.Namespace):
-    """ServerSettings from `pdflash serve`'s flags (after _engine_options resolved the target)."""
-    from pdflash.server import ServerSettings
-    from pdflash.server.limits import Limits
-    from pdflash.target.generation_config import generation_defaults
-
-    return ServerSettings(
-        model_name=args.served_model_name or Path(args.target).name,
-        default_max_tokens=args.default_max_tokens,
-        stats_interval_s=args.stats_interval,
-        max_ws_generations=args.max_ws_generations,
-        max_model_len=args.max_model_len,
-        limits=Limits(
-            max_body_bytes=args.max_body_bytes,
-            max_ws_message_bytes=args.max_ws_message_bytes,
-            max_prompt_tokens=args.max_prompt_tokens,
-        ),
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        allowed_origins=args.allowed_origins,
-        sampling_defaults={} if args.greedy else generation_defaults(args.target),
-        chat_template=args.chat_template,
-        chat_parser=args.chat_parser,
-    )
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from pdflash.engine.async_engine import AsyncEngine
-    from pdflash.server import create_app
-    from pdflash.server.background import server_config
-    from pdflash.server.shutdown import GracefulServer
-
-    try:
-        if args.replicas is None:
-            _check_device(args.device)  # replicas check theirs: a cluster's head may have no GPU
-        budgets, offload = _engine_options(args)
-        settings = server_settings(args)
-        engine_options = dict(
-            target=args.target,
-            drafter=None if args.no_spec else args.drafter,
-            block_size=args.block_size,
-            projector=args.projector,
-            dtype=args.dtype,
-            device=args.device,
-            max_num_seqs=args.max_num_seqs,
-            max_waiting=args.max_waiting,
-            offload=offload,
-            **budgets,
-        )
-        if args.replicas is not None:
-            from pdflash.cli.replicas import serve_replicas
-
-            return serve_replicas(args, settings, engine_options)
-        _refuse_replica_flags(args)
-        sock = _bind(args.host, args.port)
-        engine = AsyncEngine.from_pretrained(
-            engine_options.pop("target"), engine_options.pop("drafter"), progress=True, **engine_options
-        )
-        app = create_app(engine, settings)
-    except CheckpointError as exc:
-        raise UserError(str(exc), EXIT_MODEL) from None
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    host, port = sock.getsockname()[:2]
-    spec = "autoregressive" if engine.speculator.drafter is None else f"DFlash, block {engine.speculator.block_size}"
-    key = ", API key required" if settings.api_key else ""
-    print(
-        f"pdflash: serving {settings.model_name!r} ({spec}{key}) on http://{host}:{port} "
-        f"(demo page at /, OpenAI API under /v1, websocket at /ws, metrics at /metrics)",
-        file=sys.stderr,
-        flush=True,
-    )
-    config = server_config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_shutdown_timeout)
-    GracefulServer(config, drain_timeout_s=args.graceful_shutdown_timeout).run(sockets=[sock])
-    return 0
-
-
-def _refuse_replica_flags(args: argparse.Namespace) -> None:
-    """--ray-address and the per-replica flags mean nothing without --replicas."""
-    flags = (
-        ("--ray-address", args.ray_address, None),
-        ("--gpus-per-replica", args.gpus_per_replica, 0.0),
-        ("--cpus-per-replica", args.cpus_per_replica, 1.0),
-        ("--session-field", args.session_field, None),
-    )
-    for flag, value, default in flags:
-        if value != default:
-            raise UserError(f"{flag} goes with --replicas N (Ray Serve replicas); add --replicas or drop {flag}")
-
-
-def _bind(host: str, port: int):
-    """A listening socket on host:port, before the model loads (a taken port fails fast)."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", EXIT_ADDRESS) from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """The `pdflash` command line's flags and dispatch: every subcommand's `--help` is written here.
 
 Owns argument parsing and turning a UserError (or a Ctrl+C, a closed stdout, a missing
-file) into one line on stderr and its exit code; the commands live in pdflash.cli.commands.
+file) into one line on stderr and its exit code, and the flag value types; the commands live
+in pdflash.cli.commands and pdflash.cli.serve.
 """
 
 from __future__ import annotations
@@ -14,19 +15,23 @@ from pathlib import Path
 import pdflash
 from pdflash.bench.commands import register_subcommands as register_bench_subcommands
 from pdflash.chat.families import FAMILIES
-from pdflash.cli.commands import (
-    API_KEY_ENV,
-    EXIT_BROKEN_PIPE,
-    EXIT_FILE,
-    EXIT_INTERRUPTED,
-    UserError,
-    _port,
-    _positive_int,
-    cmd_generate,
-    cmd_make_tiny,
-    cmd_serve,
-    cmd_train_drafter,
-)
+from pdflash.cli.commands import cmd_generate, cmd_make_tiny, cmd_train_drafter
+from pdflash.cli.errors import EXIT_BROKEN_PIPE, EXIT_FILE, EXIT_INTERRUPTED, UserError
+from pdflash.cli.serve import API_KEY_ENV, cmd_serve
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535, got {text}")
+    return value
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:

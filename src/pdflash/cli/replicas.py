@@ -12,10 +12,12 @@ import argparse
 import sys
 from typing import Any
 
-from pdflash.cli.commands import EXIT_USAGE, UserError, _bind
+from pdflash.cli.errors import EXIT_USAGE, UserError
+from pdflash.cli.serve import _bind
 
 
-def serve_replicas(args: argparse.Namespace, settings: Any, engine_options: dict[str, Any]) -> int:
+def serve_replicas(args: argparse.Namespace, settings: Any, budgets: dict, offload: dict | None) -> int:
+    """Run the front and N replicas; `budgets` and `offload` as `engine_options` read them from the flags."""
     try:
         import ray  # noqa: F401  (the extra's presence, checked before anything binds or starts)
     except ImportError:
@@ -39,7 +41,19 @@ def serve_replicas(args: argparse.Namespace, settings: Any, engine_options: dict
     except ValueError as exc:
         raise UserError(str(exc)) from None
     sock = _bind(args.host, args.port)
-    spec = ReplicaSpec(engine_options=engine_options, settings=settings)
+    engine = dict(  # what load_engine passes: each replica loads its own engine with it
+        target=args.target,
+        drafter=None if args.no_spec else args.drafter,
+        block_size=args.block_size,
+        projector=args.projector,
+        dtype=args.dtype,
+        device=args.device,
+        offload=offload,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        **budgets,
+    )
+    spec = ReplicaSpec(engine_options=engine, settings=settings)
     try:
         with ray_replicas(options, spec) as replicas:
             host, port = sock.getsockname()[:2]

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,17 +27,18 @@ import attrs
 import torch
 
 from pdflash.engine.builder import BUILD_OPTIONS, OffloadProvider, build_engine_parts
-from pdflash.engine.config import EngineConfig, EngineStats
-from pdflash.engine.lanes import BatchLane, Isolation, Lane, lane_threads
+from pdflash.engine.config import EngineConfig
+from pdflash.engine.lanes import BatchLane, Lane, lane_threads
 from pdflash.engine.outputs import RequestOutput, TextStream
 from pdflash.engine.pacer import DerivedBudgets, VerifyPacer
 from pdflash.engine.requests import prompt_token_ids
 from pdflash.engine.requests import sampling_params as request_sampling_params
+from pdflash.engine.round_work import ROUND_ISOLATION, RoundWork
 from pdflash.engine.sequence import Sequence, SequenceState
 from pdflash.engine.speculation import SpeculationPlanner
+from pdflash.engine.stats import EngineStats, Totals, engine_stats
 from pdflash.engine.ticket import AdmissionCancelled, Ticket
 from pdflash.errors import EngineClosedError, EngineOverloadedError
-from pdflash.measure import overlap_s
 from pdflash.sampling import SamplingParams
 from pdflash.spec.policy import expected_committed
 from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
@@ -47,17 +48,6 @@ from pdflash.target.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 S = SequenceState
-
-
-@attrs.define
-class _Totals:
-    requests: int = 0
-    finished: int = 0
-    aborted: int = 0
-    failed: int = 0
-    tokens: int = 0
-    verify_rounds: int = 0
-    verify_tokens: int = 0
 
 
 @attrs.define(eq=False)
@@ -106,6 +96,7 @@ class AsyncEngine:
             speculator.block_size,
             provider.link_bytes_per_s if provider is not None else None,
         )
+        self._work = RoundWork(speculator, self.planner)
         self._derived = None
         if self.scheduling == "derived" and provider is not None:
             self._derived = DerivedBudgets(
@@ -114,7 +105,7 @@ class AsyncEngine:
             )
         self._seqs: dict[str, Sequence] = {}  # every sequence not yet released, in arrival order
         self._waiting: deque[Sequence] = deque()
-        self._totals = _Totals()
+        self._totals = Totals()
         self._ids = itertools.count()
         self._running: _Running | None = None
         self._seats_changed = anyio.Event()  # a request arrived or a sequence left
@@ -158,19 +149,19 @@ class AsyncEngine:
         )
         target = Lane("target", device, target_threads)
         drafter = Lane("drafter", device, drafter_threads) if drafter_threads else None
-        snapshots: Isolation[Sequence] = Isolation(capture=_snapshot, restore=_restore)
+        work = self._work
         running = _Running(
             task_group=anyio.create_task_group(),
             target=target,
             drafter=drafter,
             prefill=BatchLane(
                 target,
-                self._begin_sessions,
+                work.begin_sessions,
                 name="prefill",
                 cost=lambda s: len(s.prompt_ids),
                 max_cost=self.config.prefill_token_budget,
             ),
-            draft=BatchLane(drafter or target, self._draft_rounds, name="draft", isolation=snapshots),
+            draft=BatchLane(drafter or target, work.draft_rounds, name="draft", isolation=ROUND_ISOLATION),
             pacer=VerifyPacer(
                 self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs, self.planner
             ),
@@ -291,38 +282,7 @@ class AsyncEngine:
         return self._running is not None and self.error is None
 
     def stats(self) -> EngineStats:
-        t, sched, running = self._totals, self.scheduler.stats(), self._running
-        pacer = running.pacer.stats if running is not None else None
-        lanes = [lane for lane in (running.target, running.drafter) if lane is not None] if running else []
-        copies = self.provider.copy_intervals() if self.provider is not None and running is not None else []
-        return EngineStats(
-            live_sequences=len(self._seqs) - len(self._waiting),
-            sequences_by_state=dict(Counter(s.state.value for s in self._seqs.values())),
-            waiting=len(self._waiting),
-            pending_demands=sched.pending + sched.in_flight,
-            kv_bytes=sum(s.kv_bytes for s in self._seqs.values()),
-            claimed_experts=len(frozenset().union(*(s.claim.keys for s in self._seqs.values() if s.claim))),
-            requests=t.requests,
-            finished=t.finished,
-            aborted=t.aborted,
-            failed=t.failed,
-            generated_tokens=t.tokens,
-            verify_rounds=t.verify_rounds,
-            scheduling=self.scheduling,
-            ticks=sched.ticks,
-            in_flight_tick_share=pacer.ticks_in_flight / pacer.ticks if pacer and pacer.ticks else 0.0,
-            mean_acceptance_length=t.verify_tokens / t.verify_rounds if t.verify_rounds else 0.0,
-            speculation=self.planner.mode,
-            block_decisions=dict(sorted(self.planner.decisions.items())),
-            verify_batch_sizes=dict(sorted(running.pacer.verify_batches.items())) if running else {},
-            admission_wait_p50_s=sched.wait_p50_s,
-            admission_wait_p99_s=sched.wait_p99_s,
-            model_s=sum(lane.busy_s for lane in lanes),
-            copy_compute_overlap_s=overlap_s(copies, running.target.intervals) if running else 0.0,
-            prefetch_requests=pacer.prefetch_requests if pacer else 0,
-            prefetch_errors=pacer.prefetch_errors if pacer else 0,
-            provider=self.provider.stats() if self.provider is not None else None,
-        )
+        return engine_stats(self)
 
     # -- one sequence ------------------------------------------------------------------------
 
@@ -339,7 +299,7 @@ class AsyncEngine:
                     return
                 seq.acceptance = self.planner.track()
                 while True:
-                    seq.planned_block = self._plan(seq)
+                    seq.planned_block = self._work.plan(seq)
                     draft = await running.draft.submit(seq)
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     ticket = self._register(seq, draft)
@@ -355,23 +315,6 @@ class AsyncEngine:
                 self._fail(seq, error)
         finally:
             self._release(seq)
-
-    def _begin_sessions(self, batch: list[Sequence]) -> list[SpecSession]:  # on the target lane
-        return self.speculator.begin_sessions([(s.prompt_ids, s.params) for s in batch], [s.text for s in batch])
-
-    def _plan(self, seq: Sequence) -> int:
-        """Tokens its next verify holds: the policy's choice (pdflash.engine.speculation)."""
-        assert seq.acceptance is not None
-        choice = self.planner.plan(seq.acceptance)
-        return choice.block if choice is not None else self.speculator.block_size
-
-    def _draft_rounds(self, batch: list[Sequence]) -> list[DraftResult]:  # on the drafter lane
-        started = time.perf_counter()
-        pairs = [(s.session, s.planned_block) for s in batch if s.session is not None]
-        drafts = self.speculator.draft_rounds([session for session, _ in pairs], [block for _, block in pairs])
-        drafted = sum(d.tokens >= 2 for d in drafts)
-        self.planner.observe_draft(drafted, time.perf_counter() - started)
-        return drafts
 
     def _register(self, seq: Sequence, draft: DraftResult) -> Ticket:
         """Its pending verify's exact demand goes to the scheduler; the pacer may tick."""
@@ -481,12 +424,3 @@ class AsyncEngine:
         del self._seqs[seq.request_id]
         seq.released.set()
         self._seats_changed.set()
-
-
-def _snapshot(seq: Sequence) -> Any:
-    return seq.session.snapshot() if seq.session is not None else None
-
-
-def _restore(seq: Sequence, snapshot: Any) -> None:
-    if seq.session is not None and snapshot is not None:
-        seq.session.restore(snapshot)

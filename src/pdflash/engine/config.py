@@ -1,8 +1,9 @@
-"""Engine configuration and the engine's stats snapshot: frozen values, validated once.
+"""Engine configuration: frozen values, validated once.
 
 Owns what an operator sets (seats, queue, prefill budget, the four verify budgets, the charge
-mode, the starvation guard) and what `AsyncEngine.stats()` reports. Must not touch model
-work or scheduling state.
+mode, the starvation guard, the scheduling, speculation and ordering modes) and the verify
+scheduler they imply. Must not touch model work or scheduling state; what `AsyncEngine.stats()`
+reports is pdflash.engine.stats'.
 """
 
 from __future__ import annotations
@@ -127,36 +128,3 @@ class EngineConfig:
             byte_map=byte_map,
             order=self.verify_order,
         )
-
-
-@attrs.frozen(kw_only=True)
-class EngineStats:
-    live_sequences: int  # admitted and not yet released (holding KV)
-    sequences_by_state: dict[str, int]  # sequences not yet released, by lifecycle state
-    waiting: int  # queued, not yet admitted
-    pending_demands: int  # verify demands the scheduler holds (waiting or in flight)
-    kv_bytes: int  # target + drafter KV cache bytes held by live sessions
-    claimed_experts: int  # experts of route-ahead prefetches whose verify has not run yet
-    requests: int  # accepted by generate()
-    finished: int
-    aborted: int
-    failed: int
-    generated_tokens: int  # tokens streamed, all requests
-    verify_rounds: int  # per-sequence verify rounds
-    scheduling: str  # "fixed" | "derived" | "token-only": how verify budgets were set
-    ticks: int  # admission ticks run (at most one per verify launch while the lane is busy)
-    in_flight_tick_share: float  # share of ticks charged against a non-empty in-flight union
-    mean_acceptance_length: float  # tokens emitted per verify round, bonus included
-    speculation: str  # "adaptive" | "fixed" (always "fixed" without a drafter)
-    block_decisions: dict[int, int]  # verify block length chosen -> rounds
-    verify_batch_sizes: dict[int, int]  # sequences per batched verify -> how many such batches
-    admission_wait_p50_s: float | None  # verify admission wait (scheduler window)
-    admission_wait_p99_s: float | None
-    model_s: float  # time the target and drafter lanes spent in forwards
-    copy_compute_overlap_s: float  # time expert copies ran while the target lane computed
-    prefetch_requests: int  # route-ahead prefetches issued
-    prefetch_errors: int
-    provider: dict | None  # the expert provider's own stats, if it has any
-
-    def as_dict(self) -> dict:
-        return attrs.asdict(self)

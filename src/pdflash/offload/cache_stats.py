@@ -59,6 +59,33 @@ class OffloadStats:
     prefetch_waste_bytes: int  # prefetched bytes evicted before any forward used them
     fetch_errors: int
 
+    @classmethod
+    def of(
+        cls,
+        c: Counters,
+        *,
+        link: str,
+        policy: str,
+        budget_bytes: int,
+        num_slots: int,
+        slot_bytes: int,
+        claimed_experts: int,
+    ) -> OffloadStats:
+        """The snapshot of counters `c` of a cache with this link, policy and arena."""
+        counted = attrs.fields_dict(Counters).keys() & attrs.fields_dict(cls).keys()
+        return cls(
+            **{name: getattr(c, name) for name in counted},  # the counts go across by name
+            link=link,
+            policy=policy,
+            expert_cache_bytes=budget_bytes,
+            expert_cache_slots=num_slots,
+            expert_slot_bytes=slot_bytes,
+            expert_cache_peak_bytes=c.peak_slots * slot_bytes,
+            expert_cache_hit_rate=ratio(c.hit_bytes, c.hit_bytes + c.miss_bytes),
+            claimed_experts=claimed_experts,
+            prefetch_coverage=ratio(c.prefetch_hit_bytes, c.prefetch_hit_bytes + c.miss_bytes),
+        )
+
     def as_dict(self) -> dict:
         return attrs.asdict(self)
 

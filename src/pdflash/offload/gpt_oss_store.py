@@ -3,22 +3,18 @@
 MXFP4 experts stay MXFP4 here, on the link and in the device arena: an expert is its slice of
 the gate_up / down blocks and scales and of the two biases (the byte map counts exactly these
 bytes). Dequantized checkpoints are served the same way, their weights turned [out, in] as
-views. Owns the per-expert views, their first-use finiteness check and the arena slot layout;
-must not know about slots, budgets or eviction.
+views. Owns the per-expert views, their first-use finiteness check and the arena slot layout
+(`host_store.MappedExperts` does the mapping, the check-once and the pinning); must not know
+about slots, budgets or eviction.
 """
 
 from __future__ import annotations
-
-import mmap
-import threading
-import warnings
-from pathlib import Path
 
 import attrs
 import torch
 
 from pdflash.kernels.mxfp4 import TensorSpec
-from pdflash.offload.host_store import _map_file
+from pdflash.offload.host_store import MappedExperts
 from pdflash.target.checkpoint import Checkpoint, TensorInfo
 from pdflash.target.experts import ExpertKey
 from pdflash.target.gpt_oss_config import GptOssConfig
@@ -35,46 +31,29 @@ class GptOssHostExpert:
         return self.stored
 
 
-class GptOssHostExpertStore:
+class GptOssHostExpertStore(MappedExperts[GptOssHostExpert]):
     """gpt-oss experts by (layer, expert), memory-mapped (and pinned on request)."""
 
     def __init__(self, checkpoint: Checkpoint, config: GptOssConfig, *, pin: bool = False) -> None:
-        self.checkpoint = checkpoint
-        self.keys = [(layer, e) for layer in config.moe_layer_ids for e in range(config.num_experts)]
-        self._maps: dict[Path, mmap.mmap] = {}  # file -> its private map
+        super().__init__(checkpoint, [(layer, e) for layer in config.moe_layer_ids for e in range(config.num_experts)])
         self._names: dict[tuple[int, str], str] = {}  # (layer, wave tensor name) -> stored tensor name
-        self._experts: dict[ExpertKey, GptOssHostExpert] = {}
         for layer in config.moe_layer_ids:
             infos = stacked_infos(checkpoint, config, layer)
-            stacks = {suffix: self._view(info) for suffix, info in infos.items()}
+            stacks = {suffix: self._files.view(info) for suffix, info in infos.items()}
             for wave_name, suffix in _wave_names(infos).items():
                 self._names[(layer, wave_name)] = expert_prefix(layer) + suffix
             for e in range(config.num_experts):
                 stored = wave_tensors({suffix: stack[e] for suffix, stack in stacks.items()}, dtype=None)
                 nbytes = sum(stack[e].nbytes for stack in stacks.values())
                 self._experts[(layer, e)] = GptOssHostExpert(stored=stored, nbytes=nbytes)
-        self._verified: set[ExpertKey] = set()
-        self._verify_lock = threading.Lock()
-        self.pinned = self._pin_all() if pin else 0
+        if pin:
+            self._pin(_pinned)
 
-    def expert(self, key: ExpertKey) -> GptOssHostExpert:
-        """The tensors of `key`, checked on first use (no NaN/inf, no NaN scale; the error names the tensor)."""
-        expert = self._experts.get(key)
-        if expert is None:
-            raise KeyError(f"expert {key} is not in this checkpoint (layers x experts: {len(self.keys)} keys)")
-        with self._verify_lock:
-            if key not in self._verified:
-                for name, tensor in expert.stored.items():
-                    stored = self._names[(key[0], name)]
-                    check_finite(tensor, stored, self.checkpoint.tensors[stored])
-                self._verified.add(key)
-        return expert
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._experts
-
-    def nbytes(self, key: ExpertKey) -> int:
-        return self._experts[key].nbytes
+    def _check(self, key: ExpertKey, expert: GptOssHostExpert) -> None:
+        """No NaN/inf weights, no NaN scale (the error names the tensor)."""
+        for name, tensor in expert.stored.items():
+            stored = self._names[(key[0], name)]
+            check_finite(tensor, stored, self.checkpoint.tensors[stored])
 
     def slot_layout(self, dtype: torch.dtype) -> dict[str, TensorSpec]:
         """One arena slot: blocks and scales stay uint8, dense weights and biases take `dtype`."""
@@ -84,32 +63,9 @@ class GptOssHostExpertStore:
     def wave(self, slot_of_expert: torch.Tensor, arena: dict[str, torch.Tensor]) -> GptOssExpertWave:
         return GptOssExpertWave.from_tensors(slot_of_expert, arena)
 
-    def _view(self, info: TensorInfo) -> torch.Tensor:
-        """A whole stacked tensor as a zero-copy view of its file's private map (the checkpoint's byte range)."""
-        if info.file not in self._maps:
-            self._maps[info.file] = _map_file(info.file)
-        raw = torch.frombuffer(self._maps[info.file], dtype=torch.uint8, count=info.nbytes, offset=info.start)
-        if info.start % info.dtype.itemsize:
-            raw = raw.clone()  # misaligned for its dtype: an aligned private copy
-        return raw.view(info.dtype).view(info.shape)
 
-    def _pin_all(self) -> int:
-        pinned = 0
-        for key in self.keys:
-            expert = self._experts[key]
-            try:
-                stored = {name: t.contiguous().pin_memory() for name, t in expert.stored.items()}
-            except RuntimeError as exc:
-                warnings.warn(
-                    f"pinning host memory failed after {pinned} of {len(self.keys)} experts ({exc}); "
-                    f"the rest are copied from pageable memory-mapped pages (synchronous, slower)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                break
-            self._experts[key] = attrs.evolve(expert, stored=stored)
-            pinned += 1
-        return pinned
+def _pinned(expert: GptOssHostExpert) -> GptOssHostExpert:
+    return attrs.evolve(expert, stored={name: t.contiguous().pin_memory() for name, t in expert.stored.items()})
 
 
 def _wave_names(infos: dict[str, TensorInfo]) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pdflash.target.gpt_oss_config import GptOssConfig
 from pdflash.target.loader import LoadedTarget, load_target
 
 
-def load_offloaded_target(
+def load_offloaded_target(  # load_target's parameters, experts replaced by the cache's options
     directory: Path | str,
     *,
     dtype: str | None = None,

@@ -69,6 +69,8 @@ class CompletionRoutes:
             prompt = req.prompt
         prompt_ids = await encode(state, prompt, param=names["prompt"])
         params = fit_context(state, len(prompt_ids), req.params, max_tokens_given=req.max_tokens_given, names=names)
+        if turns is not None:
+            params = turns[0].sampling(params)  # the chat family's turn-ending tokens stop it too
         request_id = protocol.new_id(chat)
         ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
         streams: list[AsyncGenerator[RequestOutput, None]] = []  # engine.generate's async generators

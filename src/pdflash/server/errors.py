@@ -65,7 +65,7 @@ def from_engine_error(error: Exception, *, param_of: dict[str, str] | None = Non
         return APIError(503, str(error), type=SERVER_ERROR, code="engine_closed")
     if isinstance(error, (ValueError, TypeError)):
         message, param_of = str(error), param_of or {}
-        first = message.split(maxsplit=1)[0] if message else ""
+        first = message.split(maxsplit=1)[0].split("=", 1)[0] if message else ""  # "temperature=-1 is ..."
         param = param_of.get(first) or (param_of.get("prompt") if "prompt" in message else None)
         return invalid(message, param=param)
     raise error

@@ -43,6 +43,7 @@ class ServerMetrics:
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # one declaration per series; what repeats below is prometheus_client's constructor shape, not logic
         self.requests = Counter(
             "pdflash_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
         )

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from pdflash.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from pdflash.server import chat as _chat
+from pdflash.server import chat_request
 from pdflash.server.errors import APIError, invalid
 
 # SamplingParams field -> the JSON type it takes on the wire ("number" excludes booleans)
@@ -47,7 +47,7 @@ MAX_N = 16  # choices per request
 INT64 = (-(2**63), 2**63 - 1)  # every integer field must fit (seed, stop_token_ids, ...)
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", "n", "logprobs", *SAMPLING_TYPES, *NO_OP_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | _chat.CHAT_FIELDS | {"max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | chat_request.CHAT_FIELDS | {"max_completion_tokens", "top_logprobs"}
 
 
 @attrs.frozen(kw_only=True)
@@ -56,7 +56,7 @@ class CompletionRequest:
 
     model: str | None  # the name the client asked for (None: the served model)
     prompt: str | list[int] | None  # completions: text or token ids
-    chat: _chat.ChatRequest | None  # chat: messages, tools, tool_choice, chat_template_kwargs
+    chat: chat_request.ChatRequest | None  # chat: messages, tools, tool_choice, chat_template_kwargs
     params: SamplingParams
     max_tokens_given: bool  # the client set max_tokens (else the default, cut to the room in the context)
     n: int  # choices
@@ -112,8 +112,8 @@ def sampling_params(
         kwargs["logprobs"] = logprobs
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:  # SamplingParams messages start with the field name
-        field = str(exc).split(maxsplit=1)[0]
+    except ValueError as exc:  # SamplingParams messages start with the field name ("temperature=-1 is ...")
+        field = str(exc).split(maxsplit=1)[0].split("=", 1)[0]
         raise invalid(str(exc), param=wire_names.get(field, field) if field in SAMPLING_TYPES else None) from None
 
 
@@ -177,7 +177,7 @@ def parse_completion_request(body: Any, *, chat: bool, defaults: Mapping[str, An
     return CompletionRequest(
         model=model,
         prompt=None if chat else parse_prompt(body.get("prompt")),
-        chat=_chat.parse_chat_request(body) if chat else None,
+        chat=chat_request.parse_chat_request(body) if chat else None,
         params=params,
         max_tokens_given=body.get(wire.get("max_tokens", "max_tokens")) is not None,
         n=n or 1,

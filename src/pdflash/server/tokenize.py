@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse, Response
 
 import pdflash
 from pdflash.server import protocol
-from pdflash.server.chat import parse_chat_request, prepare_turn
+from pdflash.server.chat import prepare_turn
+from pdflash.server.chat_request import parse_chat_request
 from pdflash.server.errors import invalid
 from pdflash.server.limits import off_loop, read_json
 from pdflash.server.prompts import encode

@@ -28,7 +28,8 @@ from pdflash.chat.deltas import EMPTY
 from pdflash.sampling import SamplingParams
 from pdflash.server import protocol
 from pdflash.server.auth import websocket_authenticated
-from pdflash.server.chat import CHAT_FIELDS, ChatTurn, delta_body, parse_chat_request, prepare_turn
+from pdflash.server.chat import ChatTurn, delta_body, prepare_turn
+from pdflash.server.chat_request import CHAT_FIELDS, parse_chat_request
 from pdflash.server.errors import APIError, from_engine_error, invalid
 from pdflash.server.limits import loads, off_loop
 from pdflash.server.metrics import RequestTracker
@@ -162,6 +163,8 @@ class WebSocketSession:
             max_tokens_given=params.get("max_tokens") is not None,
             names={"max_tokens": "params.max_tokens"},
         )
+        if turn is not None:
+            sampling = turn.sampling(sampling)  # the chat family's turn-ending tokens stop it too
         request_id = f"{self.name}-{next(self.requests)}"
         try:
             stream = self.state.engine.generate(prompt_ids, sampling, request_id=request_id)

@@ -19,7 +19,7 @@ class AcceptancePrior:
     prior_weight: float = 2.0  # pseudo-trials behind `prior` in the global estimate
     shrink_weight: float = 3.0  # pseudo-trials of the global estimate behind each sequence's
     sequence_decay: float = 0.8  # per round: a sequence's counts fade within a few rounds
-    global_decay: float = 0.98  # per round of any sequence
+    global_decay: float = 0.995  # per round of any sequence: a probe now and then, not every few rounds
 
     def __attrs_post_init__(self) -> None:
         if not 0.0 <= self.prior <= 1.0:

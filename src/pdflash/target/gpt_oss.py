@@ -64,6 +64,7 @@ class GptOssModel:
         self.experts = experts
         self.rotary = Rotary(config.rope, config.head_dim)
 
+    # dtype, device, new_cache and forward's signature repeat Qwen3MoeModel's: one model contract, per family
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
@@ -88,6 +89,8 @@ class GptOssModel:
         commit: bool = True,
     ) -> BatchOutput:
         """As `Qwen3MoeModel.forward`: new tokens of N sequences (each [n_i]) after their caches."""
+        # the batch prologue and epilogue are Qwen3MoeModel.forward's on purpose: each family's forward
+        # stays one self-contained pass (model.py's hot path is tuned on its own), only the layers differ
         cfg = self.config
         seq_lens = tuple(int(t.numel()) for t in token_ids)
         for cache, n in zip(caches, seq_lens, strict=True):

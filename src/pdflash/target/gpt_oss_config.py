@@ -22,6 +22,7 @@ QUANT_METHODS = ("mxfp4",)  # besides none: the dequantized (bf16 / fp32) form
 class GptOssConfig:
     family: ClassVar[str] = "gpt_oss"
 
+    # the fields up to eos_token_ids are ModelConfig's, by name: what family-independent code reads
     vocab_size: int
     hidden_size: int
     num_layers: int

@@ -17,6 +17,7 @@ from pdflash.kernels.mxfp4 import pack_mxfp4
 from pdflash.target.harmony_template import HARMONY_SPECIAL_TOKENS, HARMONY_TEMPLATE
 from pdflash.target.tiny import byte_level_tokenizer
 
+# gpt-oss's config.json keys at TINY_CONFIG's scale (the same hidden size, layers and heads on purpose)
 TINY_GPT_OSS_CONFIG: dict[str, Any] = {
     "model_type": "gpt_oss",
     "architectures": ["GptOssForCausalLM"],

@@ -1,0 +1,69 @@
+"""What `pdflash generate` and `serve` share: the device checked, the model and its options resolved.
+
+Owns turning the model, verify-budget and offload flags into `AsyncEngine.from_pretrained`'s
+options (the built-in model when no --target is given), loading the engine with them, and
+the check that --device exists on this machine. Must not run the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pdflash.bundled import default_drafter, default_target
+from pdflash.cli.errors import EXIT_DEVICE, UserError
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        raise UserError(f"--device {device!r} is not a torch device ({exc}); e.g. cpu or cuda") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            f"--device {device} is not available: this torch build or machine has no CUDA device; use --device cpu",
+            EXIT_DEVICE,
+        )
+
+
+def engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
+    """Resolve the default model; read the engine settings (speculation, verify budgets) and the offload
+    flags shared by generate and serve."""
+    from pdflash.engine.config import VERIFY_BUDGETS
+
+    if args.target is None:
+        args.target = default_target()
+        args.drafter = args.drafter or default_drafter(args.target)
+    budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
+    budgets["speculation"] = args.speculation
+    if args.expert_cache_bytes is None and args.expert_cache_fraction is None:
+        if args.emulate_link_gbps is not None:
+            raise ValueError(
+                "--emulate-link-gbps needs --expert-cache-bytes or --expert-cache-fraction "
+                "(without offloading no expert crosses a link)"
+            )
+        return budgets, None
+    return budgets, {
+        "expert_cache_bytes": args.expert_cache_bytes,
+        "expert_cache_fraction": args.expert_cache_fraction,
+        "policy": args.eviction,
+        "link_gbps": args.emulate_link_gbps,
+    }
+
+
+def load_engine(args: argparse.Namespace, budgets: dict, offload: dict | None, **options):
+    """The engine the model flags name (`engine_options` resolved them), with `options` for the command."""
+    from pdflash.engine.async_engine import AsyncEngine
+
+    return AsyncEngine.from_pretrained(
+        args.target,
+        None if args.no_spec else args.drafter,
+        block_size=args.block_size,
+        projector=args.projector,
+        dtype=args.dtype,
+        device=args.device,
+        offload=offload,
+        **options,
+        **budgets,
+    )

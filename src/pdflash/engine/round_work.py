@@ -1,0 +1,50 @@
+"""What the lanes run for sequences: batched prefill and drafts, and the block each draft holds.
+
+Owns the lane-side callables of one engine (they take the sequences a lane batched and return
+one result each), the speculation plan asked before each draft, and how a failed batched draft
+is rewound so each sequence can be retried alone. Must not touch lifecycles or scheduling.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pdflash.engine.lanes import Isolation
+from pdflash.engine.sequence import Sequence
+from pdflash.engine.speculation import SpeculationPlanner
+from pdflash.spec.session import DraftResult, SpecSession
+from pdflash.spec.speculator import Speculator
+
+
+class RoundWork:
+    def __init__(self, speculator: Speculator, planner: SpeculationPlanner) -> None:
+        self.speculator, self.planner = speculator, planner
+
+    def begin_sessions(self, batch: list[Sequence]) -> list[SpecSession]:  # on the target lane
+        return self.speculator.begin_sessions([(s.prompt_ids, s.params) for s in batch], [s.text for s in batch])
+
+    def plan(self, seq: Sequence) -> int:
+        """Tokens its next verify holds: the policy's choice (pdflash.engine.speculation)."""
+        assert seq.acceptance is not None
+        choice = self.planner.plan(seq.acceptance)
+        return choice.block if choice is not None else self.speculator.block_size
+
+    def draft_rounds(self, batch: list[Sequence]) -> list[DraftResult]:  # on the drafter lane
+        started = time.perf_counter()
+        pairs = [(s.session, s.planned_block) for s in batch if s.session is not None]
+        drafts = self.speculator.draft_rounds([session for session, _ in pairs], [block for _, block in pairs])
+        self.planner.observe_draft(sum(d.tokens >= 2 for d in drafts), time.perf_counter() - started)
+        return drafts
+
+
+def _snapshot(seq: Sequence) -> Any:
+    return seq.session.snapshot() if seq.session is not None else None
+
+
+def _restore(seq: Sequence, snapshot: Any) -> None:
+    if seq.session is not None and snapshot is not None:
+        seq.session.restore(snapshot)
+
+
+ROUND_ISOLATION: Isolation[Sequence] = Isolation(capture=_snapshot, restore=_restore)
