@@ -58,7 +58,8 @@ class _Running:
     target: Lane  # prefill, verify (and drafts without a drafter)
     drafter: Lane | None  # drafter forwards and route projection, on their own thread
     prefill: BatchLane[Sequence, SpecSession]
-    draft: BatchLane[Sequence, DraftResult]
+    draft: BatchLane[Sequence, DraftResult]  # blocks the drafter drafts (on the drafter lane when there is one)
+    plain: BatchLane[Sequence, DraftResult]  # plain-decoding rounds (a block of 1): target work only
     pacer: VerifyPacer
 
 
@@ -162,13 +163,20 @@ class AsyncEngine:
                 max_cost=self.config.prefill_token_budget,
             ),
             draft=BatchLane(drafter or target, work.draft_rounds, name="draft", isolation=ROUND_ISOLATION),
+            plain=BatchLane(target, work.draft_rounds, name="plain", isolation=ROUND_ISOLATION),
             pacer=VerifyPacer(
                 self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs, self.planner
             ),
         )
         self._running, self._loop = running, asyncio.get_running_loop()
         await running.task_group.__aenter__()
-        for serve in (running.prefill.serve, running.draft.serve, running.pacer.serve, self._seater):
+        for serve in (
+            running.prefill.serve,
+            running.draft.serve,
+            running.plain.serve,
+            running.pacer.serve,
+            self._seater,
+        ):
             await running.task_group.start(self._guarded, serve)
         return self
 
@@ -300,7 +308,9 @@ class AsyncEngine:
                 seq.acceptance = self.planner.track()
                 while True:
                     seq.planned_block = self._work.plan(seq)
-                    draft = await running.draft.submit(seq)
+                    # a block of 1 skips the drafter: its projection is target work, on the target lane, so
+                    # plain-decoding rounds batch together as an autoregressive engine's do
+                    draft = await (running.draft if seq.planned_block > 1 else running.plain).submit(seq)
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     ticket = self._register(seq, draft)
                     await ticket.wait()

@@ -162,10 +162,11 @@ class VerifyScheduler:
         entry = self._queue.get(seq_id)
         if entry is not None:
             entry.request = request  # keeps its place, its skipped ticks and its ticket
-            return entry.ticket
-        ticket = Ticket(seq_id, self._release)
-        self._queue[seq_id] = _Entry(request, ticket, registered_at=self._clock())
-        return ticket
+        else:
+            entry = self._queue[seq_id] = _Entry(request, Ticket(seq_id, self._release), registered_at=self._clock())
+        if self._masks is not None:  # built here, off the tick that charges it
+            entry.union_mask(self._masks)
+        return entry.ticket
 
     def mark_in_flight(self, seq_id: Hashable) -> None:
         """The admitted verify of `seq_id` is running: seat it every tick until finish."""

@@ -30,6 +30,9 @@ class DraftResult:
     fetch_bytes: int  # the part of expert_bytes not resident at projection time
     projection_s: float  # this session's share of the batched projection
     resident: frozenset[ExpertKey] = frozenset()  # experts resident when the route was projected
+    # [b-1, V] the distribution q each draft was drawn from (rejection sampling tests against it);
+    # None: point masses, i.e. argmax drafts (greedy) or a block set by hand
+    draft_probs: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def tokens(self) -> int:

@@ -15,7 +15,8 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from pdflash.measure import tokens_per_second
-from pdflash.sampling import SamplingParams, adjust_logits, sample, token_logprobs
+from pdflash.sampling import SamplingParams, adjust_logits, probabilities, sample, token_logprobs
+from pdflash.spec import rejection
 from pdflash.spec.drafter import DFlashDrafter
 from pdflash.spec.projection import ProjectionQuality, make_projector, routed_union, union_bytes
 from pdflash.spec.session import DraftResult, RoundOrderError, RoundTrace, SpecSession, VerifyResult
@@ -127,15 +128,16 @@ class Speculator:
             if not 1 <= size <= self.block_size:
                 raise ValueError(f"a drafted block holds 1..{self.block_size} tokens, got {size}")
         sizes = [min(n, s.rule.max_new_tokens - len(s.emitted) + 1) for s, n in zip(sessions, wanted, strict=True)]
-        blocks = self._drafted_blocks(sessions, sizes)
+        blocks, draft_probs = self._drafted_blocks(sessions, sizes)
         started = time.perf_counter()
         unions = self.projector.project(self, sessions, blocks)
         share = (time.perf_counter() - started) / len(sessions)
         resident = frozenset(self.resident())
         results = []
-        for s, block, union in zip(sessions, blocks, unions):
+        for s, block, q, union in zip(sessions, blocks, draft_probs, unions):
             s.pending = DraftResult(
                 block=tuple(block.tolist()),
+                draft_probs=q,
                 expert_union=union,
                 expert_bytes=union_bytes(union, self.expert_nbytes),
                 fetch_bytes=union_bytes(union - resident, self.expert_nbytes),
@@ -146,11 +148,15 @@ class Speculator:
             results.append(s.pending)
         return results
 
-    def _drafted_blocks(self, sessions: Sequence[SpecSession], sizes: list[int]) -> list[torch.Tensor]:
+    def _drafted_blocks(
+        self, sessions: Sequence[SpecSession], sizes: list[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Each session's [b] anchor + drafts, and the [b-1, V] q its drafts were drawn from (None: argmax)."""
         blocks = [torch.tensor([s.anchor], dtype=torch.int64) for s in sessions]
+        probs: list[torch.Tensor | None] = [None] * len(sessions)
         drafting = [i for i, n in enumerate(sizes) if n >= 2]
         if self.drafter is None or not drafting:
-            return blocks
+            return blocks, probs
         mask = self.drafter.config.mask_token_id
         noisy, contexts, caches = [], [], []
         for i in drafting:
@@ -162,9 +168,13 @@ class Speculator:
             caches.append(s.draft_cache)
         logits = self.drafter.draft_logits(contexts, noisy, caches)
         for i, lg in zip(drafting, logits, strict=True):
-            sessions[i].context = None
-            blocks[i] = torch.cat([blocks[i], lg.argmax(dim=-1).cpu()])
-        return blocks
+            s = sessions[i]
+            s.context = None
+            drafts, probs[i] = rejection.propose(
+                lg, s.params, s.generator, prompt_ids=s.prompt_ids, output_ids=s.emitted, stop_ids=s.rule.stop_ids
+            )
+            blocks[i] = torch.cat([blocks[i], drafts.cpu()])
+        return blocks, probs
 
     # -- verify --------------------------------------------------------------------------
     def verify_round(self, session: SpecSession) -> VerifyResult:
@@ -179,10 +189,12 @@ class Speculator:
         taps = out.split_taps()
         routes = [self._token_routes(r) for r in out.split(out.routed)]
         position_bytes = self._position_fetch_bytes(drafts, routes)
+        logits = out.split(out.logits)
+        choices = self._next_tokens(sessions, blocks, drafts, logits)
         return [
-            self._accept(s, block, logits, routed, tap, share, positions)
-            for s, block, logits, routed, tap, positions in zip(
-                sessions, blocks, out.split(out.logits), out.split(out.routed), taps, position_bytes
+            self._accept(s, block, choice, lg, routed, tap, share, positions)
+            for s, block, choice, lg, routed, tap, positions in zip(
+                sessions, blocks, choices, logits, out.split(out.routed), taps, position_bytes
             )
         ]
 
@@ -210,21 +222,60 @@ class Speculator:
             out.append(tuple(positions))
         return out
 
+    def _next_tokens(
+        self,
+        sessions: Sequence[SpecSession],
+        blocks: Sequence[torch.Tensor],
+        drafts: Sequence[DraftResult],
+        logits: Sequence[torch.Tensor],
+    ) -> list[tuple[int, int]]:
+        """Per session (drafts accepted, the target's token after them) from its [b, V] verify logits.
+
+        Greedy sessions and blocks without drafts take the target's own token at each position
+        (argmax, or a plain sample) and accept the drafts equal to it; sampled blocks with
+        drafts go through `rejection.accept` together, against the q they were drawn from.
+        """
+        choices: dict[int, tuple[int, int]] = {}
+        sampled: list[tuple[int, torch.Tensor]] = []  # (index, p [b, V])
+        for i, (s, block, lg) in enumerate(zip(sessions, blocks, logits)):
+            adjusted = adjust_logits(  # row j continues the drafts before it
+                lg,
+                s.params,
+                prompt_ids=s.prompt_ids,
+                output_ids=s.emitted,
+                drafted=block[1:].tolist(),
+                stop_ids=s.rule.stop_ids,
+            )
+            if s.params.greedy or len(block) == 1:
+                posterior = sample(adjusted, s.params, s.generator).cpu()  # [b] target's token after each position
+                accepted = int((block[1:] == posterior[:-1]).int().cumprod(dim=0).sum())
+                choices[i] = (accepted, int(posterior[accepted]))
+            else:
+                sampled.append((i, probabilities(adjusted, s.params)))
+        if sampled:
+            decided = rejection.accept_blocks(
+                [p for _, p in sampled],
+                [drafts[i].draft_probs for i, _ in sampled],
+                [blocks[i][1:] for i, _ in sampled],
+                [sessions[i].generator for i, _ in sampled],
+            )
+            for (i, _), a, t in zip(sampled, *decided):
+                choices[i] = (a, t)
+        return [choices[i] for i in range(len(sessions))]
+
     def _accept(
-        self, s: SpecSession, block, logits, routed, taps, verify_s: float, position_fetch_bytes: tuple[int, ...]
+        self,
+        s: SpecSession,
+        block,
+        choice: tuple[int, int],
+        logits,
+        routed,
+        taps,
+        verify_s: float,
+        position_fetch_bytes: tuple[int, ...],
     ) -> VerifyResult:
-        adjusted = adjust_logits(  # row j continues the drafts before it
-            logits,
-            s.params,
-            prompt_ids=s.prompt_ids,
-            output_ids=s.emitted,
-            drafted=block[1:].tolist(),
-            stop_ids=s.rule.stop_ids,
-        )
-        posterior = sample(adjusted, s.params, s.generator).cpu()  # [b] target's token after each block position
-        matches = (block[1:] == posterior[:-1]).int().cumprod(dim=0)  # [b-1]
-        accepted = int(matches.sum())
-        kept, finish = s.rule.clip(len(s.emitted), block[1 : accepted + 1].tolist() + [int(posterior[accepted])])
+        accepted, next_token = choice
+        kept, finish = s.rule.clip(len(s.emitted), block[1 : accepted + 1].tolist() + [next_token])
         if s.params.logprobs is not None:  # emitted token k was sampled from row k (the raw logits)
             s.logprobs += token_logprobs(logits, kept, s.params.logprobs)
         s.emitted += kept
@@ -245,7 +296,7 @@ class Speculator:
             position_fetch_bytes=position_fetch_bytes,
         )
         s.trace.append(trace)
-        s.anchor, s.start = int(posterior[accepted]), s.start + accepted + 1
+        s.anchor, s.start = next_token, s.start + accepted + 1
         s.last_union, s.pending, s.finish_reason = actual, None, finish
         s.verify_s += verify_s
         return VerifyResult(
