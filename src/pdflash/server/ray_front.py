@@ -38,7 +38,7 @@ from pdflash.server.auth import AccessMiddleware
 from pdflash.server.errors import SERVER_ERROR, APIError
 from pdflash.server.limits import loads, off_loop, read_body
 from pdflash.server.prompts import shutting_down
-from pdflash.server.replica import REPLICA_HEADER, portable_scope
+from pdflash.server.replica import DRAINED, REPLICA_HEADER, portable_scope
 from pdflash.server.replica import Route as ReplicaRoute
 from pdflash.server.shutdown import Streams
 from pdflash.server.sse import DONE, event, unless_disconnected
@@ -189,6 +189,7 @@ class ReplicaFront:
         await receive()  # websocket.connect: the replica's app answers it (accept, or close)
         messages = self.replicas.stream("ws", key, portable_scope(scope))
         accepted = closed = False
+        self.front.streams.open(key)  # on shutdown, owed what its replica sends before DRAINED
         try:
             hello = await messages.__anext__()  # {"type": "pdflash.replica", "replica": id}
             route: ReplicaRoute = ("replica", hello["replica"])
@@ -203,6 +204,9 @@ class ReplicaFront:
 
                 tasks.start_soon(upstream)
                 async for message in messages:
+                    if message["type"] == DRAINED:  # every final message before shutdown went out
+                        self.front.streams.close(key)
+                        continue
                     accepted = accepted or message["type"] == "websocket.accept"
                     await send(message)
                     closed = message["type"] == "websocket.close"
@@ -215,6 +219,7 @@ class ReplicaFront:
             log.error("websocket %s: the replica failed: %r", key, error)
             await _close_failed(send, accepted, error)
         finally:
+            self.front.streams.close(key)
             if not closed:
                 _cancel(messages)
 

@@ -23,6 +23,7 @@ from pdflash.server.state import ServerSettings
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = b"x-pdflash-replica"
+DRAINED = "pdflash.drained"  # on a socket's stream: the replica's final messages before it went out
 SCOPE_KEYS = (  # the picklable parts of an ASGI scope (uvicorn's also holds the app and its state)
     "type",
     "asgi",
@@ -72,6 +73,7 @@ class EngineReplica:
         self.app = create_app(engine, spec.settings)
         self.state = self.app.state.pdflash
         self.sockets: dict[str, asyncio.Queue[MutableMapping[str, Any]]] = {}  # websocket key -> the app's inbox
+        self.socket_outboxes: dict[str, asyncio.Queue[MutableMapping[str, Any] | None]] = {}  # key -> what it sent
         self._stop = asyncio.Event()
         ready = asyncio.Event()
         self._runner = asyncio.create_task(self._run(ready))
@@ -114,8 +116,15 @@ class EngineReplica:
         return self.id, self.state.metrics.exposition()
 
     async def drain(self, timeout_s: float, route: Route = None) -> bool:
-        """Shutdown's first step: refuse new work, abort live requests, wait for their final messages."""
-        return await self.state.streams.drain(self.state.engine, timeout_s)
+        """Shutdown's first step: refuse new work, abort live requests, wait for their final messages.
+
+        Then every socket's stream gets a DRAINED marker behind those final messages, so the
+        front knows when it has relayed all of them (it waits for that before closing sockets).
+        """
+        drained = await self.state.streams.drain(self.state.engine, timeout_s)
+        for outbox in self.socket_outboxes.values():
+            outbox.put_nowait({"type": DRAINED})
+        return drained
 
     async def http(
         self, scope: dict[str, Any], body: bytes, route: Route = None
@@ -164,6 +173,7 @@ class EngineReplica:
             outbox.put_nowait(message)
 
         outbox: asyncio.Queue[MutableMapping[str, Any] | None] = asyncio.Queue()
+        self.socket_outboxes[key] = outbox
         yield {"type": "pdflash.replica", "replica": self.id}
         try:
             async with aclosing(self._relay(self.app(dict(scope), inbox.get, send), outbox, gone)) as messages:
@@ -172,7 +182,7 @@ class EngineReplica:
                     if message["type"] == "websocket.close":
                         return
         finally:
-            del self.sockets[key]
+            del self.sockets[key], self.socket_outboxes[key]
             if gone.is_set():  # the front left first: end the app's session as a client's disconnect does
                 inbox.put_nowait({"type": "websocket.disconnect", "code": 1001})
 
