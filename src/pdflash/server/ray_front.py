@@ -113,11 +113,9 @@ class ReplicaFront:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":  # the replicas' lifecycle is ray_launch's, around the server
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-        elif scope["type"] == "websocket":
+        if scope["type"] == "lifespan":  # none here: the replicas' lifecycle is ray_launch's, around the server
+            return
+        if scope["type"] == "websocket":
             await self.forward_websocket(scope, receive, send)
         elif scope["path"] in ("/health", "/metrics"):
             await self.own(scope, receive, send)
