@@ -206,9 +206,12 @@ class Speculator:
     def _position_fetch_bytes(
         self, drafts: list[DraftResult], routes: list[list[frozenset[ExpertKey]]]
     ) -> list[tuple[int, ...]]:
-        """Per session, per block position k: the bytes token k's route added to the experts resident
-        when it was drafted, the other sessions' routes in this batch and its own tokens before k:
-        what speculating one token further cost on the link, measured (the policy's byte estimate)."""
+        """Per session, per block position k: the link bytes token k's route brought, measured (the
+        policy's byte estimate). An expert counts if it was not resident when the block was drafted
+        nor routed by the session's own tokens before k; one the batch's other sessions also routed
+        is shared: each of the n sessions that routed it is charged 1/n of its bytes, so the charges
+        of one batch add up to what the batch fetched (charging shared experts to nobody would make
+        every block look free in a large batch)."""
         unions = [frozenset().union(*r) for r in routes]
         sessions_using = Counter(e for union in unions for e in union)
         out = []
@@ -216,8 +219,8 @@ class Speculator:
             seen: set[ExpertKey] = set()
             positions = []
             for route in own:
-                new = [e for e in route - seen - draft.resident if sessions_using[e] == 1]
-                positions.append(union_bytes(new, self.expert_nbytes))
+                new = route - seen - draft.resident
+                positions.append(round(sum(self.expert_nbytes[e] / sessions_using[e] for e in new)))
                 seen |= route
             out.append(tuple(positions))
         return out
