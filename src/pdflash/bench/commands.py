@@ -107,6 +107,12 @@ def register_subcommands(sub) -> None:
     sim.add_argument("--acceptance", type=Path, help="take acceptance lengths from this routing trace")
     sim.add_argument("--calibration", type=Path, help="a `bench --calibrate` file: cost model of this machine")
     sim.add_argument("--validate", type=Path, metavar="BENCH_JSON", help="simulate a bench report's points")
+    sim.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="independent engine replicas (serve --replicas): c clients spread evenly, tokens/s summed (default 1)",
+    )
     sim.add_argument("--seed", type=int, default=0)
     sim.set_defaults(func=cmd_simulate)
 
@@ -117,7 +123,16 @@ def _profile_names() -> list[str]:
     return sorted(load_profiles())
 
 
-POSITIVE = ("concurrency", "min_requests", "max_tokens", "prompts", "repeats", "prompt_tokens", "block_size")
+POSITIVE = (
+    "concurrency",
+    "min_requests",
+    "max_tokens",
+    "prompts",
+    "repeats",
+    "prompt_tokens",
+    "block_size",
+    "replicas",
+)
 
 
 def check_positive(args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ from pdflash.bench.configs import CONFIGS, BenchConfig, parse_configs, two_d_bud
 from pdflash.bench.costs import CalibratedCosts, RooflineCosts
 from pdflash.bench.metrics import PointResult
 from pdflash.bench.profiles import get_profile
+from pdflash.bench.replicated import replicated_point
 from pdflash.bench.report import markdown_table, validation_table
 from pdflash.bench.routing import TraceRouting, ZipfRouting
 from pdflash.bench.simulator import SimSetup, simulate_closed_loop
@@ -32,6 +33,8 @@ def _requests_per_client(min_requests: int, c: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.validate is not None:
+        if args.replicas != 1:
+            raise ValueError("--validate compares one engine with a bench report; drop --replicas")
         return validate(args)
     if args.calibration is not None:
         raise ValueError(
@@ -89,18 +92,22 @@ def run(args: argparse.Namespace) -> int:
                     max_num_seqs=max_seqs,
                     budgets=budgets if cfg.two_dimensional else None,
                 )
-                points.append(
-                    simulate_closed_loop(
+
+                def one_engine(load: int, setup: SimSetup = setup) -> PointResult:
+                    return simulate_closed_loop(
                         setup,
-                        [args.prompt_tokens] * max(args.min_requests, c),
-                        concurrency=c,
-                        requests_per_client=_requests_per_client(args.min_requests, c),
+                        [args.prompt_tokens] * max(args.min_requests, load),
+                        concurrency=load,
+                        requests_per_client=_requests_per_client(args.min_requests, load),
                         max_tokens=args.max_tokens,
                     )
-                )
+
+                points.append(one_engine(c) if args.replicas == 1 else replicated_point(c, args.replicas, one_engine))
                 bar.update()
+    replicas = "" if args.replicas == 1 else f", {args.replicas} replicas (c clients spread evenly; summed)"
     header = {
-        "title": f"pdflash simulate, {profile.name}, {budget / 1e9:g} GB expert budget",
+        "title": f"pdflash simulate, {profile.name}, {budget / 1e9:g} GB expert budget{replicas}",
+        "replicas": args.replicas,
         "profile": profile.name,
         "regime_ratio": profile.regime_ratio,
         "ar_step_ms": profile.ar_step_s * 1e3,

@@ -216,7 +216,42 @@ def _add_serve_parser(sub) -> None:
         default=5.0,
         help="seconds open requests get to finish on shutdown before they are aborted (default 5)",
     )
+    _add_replica_flags(serve)
     serve.set_defaults(func=cmd_serve)
+
+
+def _add_replica_flags(serve: argparse.ArgumentParser) -> None:
+    ray = serve.add_argument_group("replicas on Ray Serve (docs/ray.md; needs pip install -e '.[ray]')")
+    ray.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="serve N engine replicas as a Ray Serve deployment behind this server (default: one engine, no Ray)",
+    )
+    ray.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="join a running Ray cluster (e.g. auto, or HEAD:6379 of `ray start --head`; default: a local instance)",
+    )
+    ray.add_argument(
+        "--gpus-per-replica", type=float, default=0.0, metavar="G", help="Ray GPUs each replica reserves (default 0)"
+    )
+    ray.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=1.0,
+        metavar="C",
+        help="Ray CPUs each replica reserves; also its torch threads (default 1)",
+    )
+    ray.add_argument(
+        "--session-field",
+        default=None,
+        metavar="FIELD",
+        help="keep requests with the same value of this body field (e.g. user) on one replica "
+        "(default: Ray Serve's power of two choices for every request)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,9 +50,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdflash.server.shutdown import GracefulServer
 
     try:
-        check_device(args.device)
+        if args.replicas is None:
+            check_device(args.device)  # replicas check theirs: a cluster's head may have no GPU
         budgets, offload = engine_options(args)
         settings = server_settings(args)
+        if args.replicas is not None:
+            from pdflash.cli.replicas import serve_replicas
+
+            return serve_replicas(args, settings, budgets, offload)
+        _refuse_replica_flags(args)
         sock = _bind(args.host, args.port)
         engine = load_engine(
             args, budgets, offload, progress=True, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting
@@ -74,6 +80,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = server_config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_shutdown_timeout)
     GracefulServer(config, drain_timeout_s=args.graceful_shutdown_timeout).run(sockets=[sock])
     return 0
+
+
+def _refuse_replica_flags(args: argparse.Namespace) -> None:
+    """--ray-address and the per-replica flags mean nothing without --replicas."""
+    flags = (
+        ("--ray-address", args.ray_address, None),
+        ("--gpus-per-replica", args.gpus_per_replica, 0.0),
+        ("--cpus-per-replica", args.cpus_per_replica, 1.0),
+        ("--session-field", args.session_field, None),
+    )
+    for flag, value, default in flags:
+        if value != default:
+            raise UserError(f"{flag} goes with --replicas N (Ray Serve replicas); add --replicas or drop {flag}")
 
 
 def _bind(host: str, port: int):
