@@ -326,6 +326,10 @@ class AsyncEngine:
             if seq.live:
                 self._fail(seq, error)
         finally:
+            # An abort can land while its admitted verify already runs (it may still be at
+            # `ticket.wait()`): its KV is released only once no lane uses it.
+            with anyio.CancelScope(shield=True):
+                await running.pacer.settled(seq)
             self._release(seq)
 
     def _register(self, seq: Sequence, draft: DraftResult) -> Ticket:

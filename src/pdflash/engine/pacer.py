@@ -92,22 +92,18 @@ class VerifyPacer:
         self._changed.set()
 
     async def verified(self, seq: Sequence) -> VerifyResult:
-        """After its ticket is admitted: wait for the batched verify that includes `seq`.
-
-        Cancelled while that verify runs, it waits (shielded) for it to end, so the caller never
-        releases a session the lane is still using.
-        """
-        try:
-            await seq.verify_done.wait()
-        except BaseException:
-            if seq in self._running:
-                with anyio.CancelScope(shield=True):
-                    await seq.verify_done.wait()
-            raise
+        """After its ticket is admitted: wait for the batched verify that includes `seq`."""
+        await seq.verify_done.wait()
         if seq.verify_error is not None:
             raise seq.verify_error
         assert seq.verify_result is not None  # set with verify_done
         return seq.verify_result
+
+    async def settled(self, seq: Sequence) -> None:
+        """Return once no verify on the lane uses `seq`'s session (at once if none does): the
+        caller may then release it, whichever await its abort interrupted."""
+        if seq in self._running:
+            await seq.verify_done.wait()
 
     # -- the loop ------------------------------------------------------------------------------
 
