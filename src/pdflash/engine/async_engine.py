@@ -2,8 +2,9 @@
 
 Owns the request API, seats (backpressure), each sequence's coroutine (prefill, then draft ->
 register its verify demand -> await admission -> await the verify -> stream, read aloud in
-`_serve`), exits, failure isolation and the stats. Model work runs on lanes (pdflash.engine.
-lanes); admission ticks and batched verifies are the pacer's (pdflash.engine.pacer). Must not
+`_serve`), exits and failure isolation. Model work runs on lanes (pdflash.engine.lanes; what
+they run, pdflash.engine.round_work); admission ticks and batched verifies are the pacer's
+(pdflash.engine.pacer); the stats snapshot is pdflash.engine.stats'. Must not
 touch admission arithmetic, round algorithms, model math or the expert cache; model assembly
 is pdflash.engine.builder's.
 """
@@ -81,7 +82,7 @@ class AsyncEngine:
         self.scheduling = self.config.resolved_scheduling(offloaded=provider is not None)
         if self.scheduling == "derived" and provider is None:
             raise ValueError(
-                "scheduling='derived' derives budgets from offloaded experts' link and cache; "
+                "scheduling='derived' derives budgets from the offloaded experts' device cache; "
                 "without offloading use 'token-only' or the four fixed budgets"
             )
         cache_bytes = provider.budget_bytes if provider is not None else 0
