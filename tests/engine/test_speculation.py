@@ -7,6 +7,7 @@ from engine_cases import collect, drained
 from test_engine import GREEDY, PROMPTS, RecordingProvider
 
 from pdflash.engine.speculation import SpeculationPlanner, _ComputeFit
+from pdflash.sampling import SamplingParams
 from pdflash.spec.projection import ProjectionQuality
 from pdflash.spec.session import RoundTrace
 
@@ -96,3 +97,20 @@ async def test_fixed_speculation_keeps_the_whole_block(make_engine, reference):
     budget = GREEDY.max_tokens
     block = engine.speculator.block_size
     assert last.metrics.block_sizes == tuple(min(block, budget - e + 1) for e in emitted[:-1])  # only clipped
+
+
+@pytest.mark.asyncio
+async def test_a_seeded_sampled_request_keeps_the_whole_block_and_reproduces(make_engine):
+    """Adaptive choices depend on timing; a seed must not: seeded sampled rounds keep the block."""
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=11)
+    async with make_engine(provider=SlowLink()) as engine:
+        first = await collect(engine.generate(PROMPTS[0], seeded))
+        await collect(engine.generate(PROMPTS[1], GREEDY))  # moves the planner's estimates
+        again = await collect(engine.generate(PROMPTS[0], seeded))
+    assert first[0] == again[0]
+    block = engine.speculator.block_size
+    for _, _, last in (first, again):
+        emitted = [1]
+        for n in last.metrics.acceptance_lengths:
+            emitted.append(emitted[-1] + n)
+        assert last.metrics.block_sizes == tuple(min(block, 12 - e + 1) for e in emitted[:-1])

@@ -25,8 +25,16 @@ class RoundWork:
         return self.speculator.begin_sessions([(s.prompt_ids, s.params) for s in batch], [s.text for s in batch])
 
     def plan(self, seq: Sequence) -> int:
-        """Tokens its next verify holds: the policy's choice (pdflash.engine.speculation)."""
+        """Tokens its next verify holds: the policy's choice (pdflash.engine.speculation).
+
+        A seeded sampled request keeps the configured block: which random numbers its rounds
+        draw depends on how its tokens split into rounds, and the policy's choices depend on
+        timing, so only fixed blocks let the same seed give the same text again. (Greedy output
+        does not depend on the split: it always equals plain decoding.)
+        """
         assert seq.acceptance is not None
+        if seq.params.seed is not None and not seq.params.greedy:
+            return self.speculator.block_size
         choice = self.planner.plan(seq.acceptance)
         return choice.block if choice is not None else self.speculator.block_size
 
