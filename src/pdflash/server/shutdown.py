@@ -78,6 +78,10 @@ class GracefulServer(uvicorn.Server):
                     len(state.streams.live),
                     self.drain_timeout_s,
                 )
+        for connection in [c for c in self.server_state.connections if _closing_websocket(c)]:
+            # its close handshake is under way: uvicorn's shutdown would send a second close
+            # frame, which raises (websockets' InvalidState) and fails the exit
+            self.server_state.connections.discard(connection)
         await super().shutdown(sockets)
 
     @contextlib.contextmanager
@@ -103,3 +107,9 @@ def _app_state(app: Any) -> Any:
             return state
         app = getattr(app, "app", None)
     return None
+
+
+def _closing_websocket(connection: Any) -> bool:
+    """A uvicorn websocket connection already closing (or closed); False for anything else."""
+    state = getattr(getattr(connection, "conn", None), "state", None)
+    return getattr(state, "name", None) in ("CLOSING", "CLOSED")
