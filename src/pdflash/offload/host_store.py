@@ -11,6 +11,7 @@ budgets or eviction.
 
 from __future__ import annotations
 
+import abc
 import mmap
 import threading
 import warnings
@@ -53,7 +54,7 @@ class MappedFiles:
         return raw.view(info.dtype).view(info.shape)
 
 
-class MappedExperts(Generic[E]):
+class MappedExperts(abc.ABC, Generic[E]):
     """What both host stores share: experts by (layer, expert) as views of the mapped files, each
     checked on its first fetch (once, under a lock), and pinned host copies on request."""
 
@@ -82,9 +83,9 @@ class MappedExperts(Generic[E]):
     def nbytes(self, key: ExpertKey) -> int:
         return self._experts[key].nbytes
 
+    @abc.abstractmethod
     def _check(self, key: ExpertKey, expert: E) -> None:
-        """Raise CheckpointError if `expert`'s stored bytes are not usable (NaN, inf)."""
-        raise NotImplementedError
+        """Raise CheckpointError if `expert`'s stored bytes are not usable (NaN, inf); each store's format says how."""
 
     def _pin(self, pinned_copy: Callable[[E], E]) -> None:
         """Replace each expert by its copy in pinned host memory, in order; if pinning fails, warn
