@@ -81,8 +81,29 @@ def test_a_recorded_trace_replays_its_rounds(pair, tmp_path):
     write_traces(path, {"speculative": sequences}, {"target": str(target)})
     trace = TraceRouting.load(path, "speculative")
     assert trace.prefill_union(0, 2) == {(0, 1), (1, 2)}
-    r = trace.round(seq=1, index=0, tokens=2)  # sequence 1 wraps to recorded sequence 0; the block is clipped
+    r = trace.round(seq=1, index=0, tokens=2, start=0)  # sequence 1 wraps to recorded sequence 0; clipped block
     assert (r.acceptance_length, r.actual, r.projected) == (2, {(0, 5)}, {(0, 5), (1, 1)})
     assert trace.output_tokens(0) == 4
     with pytest.raises(ValueError, match="no 'autoregressive' trace recorded"):
         TraceRouting.load(path, "autoregressive")
+    with pytest.raises(ValueError, match="'adaptive' needs it"):
+        TraceRouting.load(path, "adaptive")
+
+
+def test_an_adaptive_replay_routes_the_autoregressive_steps_its_block_covers(tmp_path):
+    steps = [{"tokens": 1, "acceptance_length": 1, "actual": [[0, 10 + i]], "projected": [[1, i]]} for i in range(4)]
+    spec = [{"tokens": 4, "acceptance_length": 3, "actual": [[0, 5]], "projected": [[0, 5]]}]
+    traces = {
+        kind: [{"prompt_ids": [1, 2], "prompt_tokens": 2, "prefill_union": [[0, 1]], "rounds": rounds}]
+        for kind, rounds in (("speculative", spec), ("autoregressive", steps))
+    }
+    path = tmp_path / "routing.json"
+    write_traces(path, traces, {})
+    r = TraceRouting.load(path, "adaptive").round(seq=0, index=0, tokens=2, start=1)
+    assert r.acceptance_length == 2  # min(block, the recorded round's acceptance length)
+    assert r.positions == ({(0, 11)}, {(0, 12)})  # steps 1 and 2 verified the tokens at those positions
+    assert (r.actual, r.projected) == ({(0, 11), (0, 12)}, {(1, 1), (1, 2)})
+    traces["autoregressive"][0]["prompt_ids"] = [3]
+    write_traces(path, traces, {})
+    with pytest.raises(ValueError, match="ran different prompts"):
+        TraceRouting.load(path, "adaptive")

@@ -12,10 +12,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from pdflash.bench.configs import CONFIGS
+from pdflash.bench.configs import BASELINES
 
 DEFAULT_PROFILE = "qwen3-30b-a3b@h200-pcie5"
-ALL_CONFIGS = ",".join(name for name, c in CONFIGS.items() if c.simulated)  # the simulator models these
+BENCH_CONFIGS = ",".join(BASELINES)
+SIMULATE_CONFIGS = ",".join((*BASELINES, "adaptive"))
 
 
 def _json_flag(p: argparse.ArgumentParser) -> None:
@@ -29,14 +30,14 @@ def _json_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _common(p: argparse.ArgumentParser, concurrency: list[int]) -> None:
+def _common(p: argparse.ArgumentParser, concurrency: list[int], configs: str) -> None:
     p.add_argument(
         "--configs",
-        default=ALL_CONFIGS,
-        help=f"comma-separated configurations, run side by side (default {ALL_CONFIGS}; "
+        default=configs,
+        help=f"comma-separated configurations, run side by side (default {configs}; "
         "B0 ar = autoregressive offloaded, B1 dflash-token = DFlash token-only scheduling, "
         "B2 dflash-2d = DFlash 2-D (tokens, bytes) scheduling, B3 resident = DFlash, no offloading; "
-        "engine-only: B2d dflash-derived = working-set budgets + yield order, B4 adaptive = the engine's "
+        "B2d dflash-derived = working-set budgets + yield order, B4 adaptive = the engine's "
         "defaults (adaptive speculation + B2d's scheduling), B4t adaptive-token, B3a resident-adaptive; "
         "NAME@PROJECTOR picks the route projector, e.g. dflash-2d@router,dflash-2d@route-head)",
     )
@@ -72,7 +73,7 @@ def register_subcommands(sub) -> None:
     )
     bench.add_argument("--target", type=Path, help="target directory (default: the bundled trained pair)")
     bench.add_argument("--drafter", type=Path, help="DFlash drafter directory (default: the bundled one)")
-    _common(bench, [1, 4, 16, 32])
+    _common(bench, [1, 4, 16, 32], BENCH_CONFIGS)
     bench.add_argument("--device", default="cpu", help="device the engines run on (cpu, cuda; default cpu)")
     bench.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default 64)")
     bench.add_argument("--prompts", type=int, default=32, help="HumanEval headers in the pool (default 32)")
@@ -90,13 +91,15 @@ def register_subcommands(sub) -> None:
     sim = sub.add_parser(
         "simulate",
         help="discrete-event simulation of the engine at a profile's real shapes",
-        description="Runs the engine's step loop on a virtual clock: the REAL VerifyScheduler and eviction "
-        "policies; forwards from a cost model (the profile's roofline, or --calibration), one serial copy "
-        "engine at the profile's link rate; routing replayed from --routing or drawn from a Zipf model; "
+        description="Runs the pipelined engine on a virtual clock (target lane, drafter lane and copy engine "
+        "overlapping; one admission tick per verify launch): the REAL VerifyScheduler, derived budgets, "
+        "speculation policy and eviction policies; forwards from a cost model (the profile's roofline, or "
+        "--calibration), one serial copy engine at the profile's link rate; routing replayed from --routing "
+        "or drawn from a Zipf model; "
         "acceptance lengths from a recorded distribution. --validate BENCH_JSON instead simulates the "
         "bundled pair at every point of a `pdflash bench --json` report and prints the error table.",
     )
-    _common(sim, [1, 4, 16, 32, 64])
+    _common(sim, [1, 4, 16, 32, 64], SIMULATE_CONFIGS)
     sim.add_argument("--expert-cache-bytes", type=int, help="device expert budget (default: the profile's)")
     sim.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default 128)")
     sim.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (default 128)")
@@ -106,7 +109,19 @@ def register_subcommands(sub) -> None:
     sim.add_argument("--locality", type=float, default=0.3, help="P(token reuses the last token's experts) (0.3)")
     sim.add_argument("--acceptance", type=Path, help="take acceptance lengths from this routing trace")
     sim.add_argument("--calibration", type=Path, help="a `bench --calibrate` file: cost model of this machine")
+    sim.add_argument(
+        "--compute-scale",
+        default="1",
+        help="--validate: multiply the calibrated forward costs by this factor, or 'auto': the bench report's "
+        "measured AR step / the calibration's (the machine's load when the report ran; default 1)",
+    )
     sim.add_argument("--validate", type=Path, metavar="BENCH_JSON", help="simulate a bench report's points")
+    sim.add_argument(
+        "--lock-step",
+        action="store_true",
+        help="--validate: model the lock-step engine (main up to 73fabf9: drafts on the verify thread, no tick "
+        "while a verify runs) that measured reports before the pipelined engine",
+    )
     sim.add_argument(
         "--replicas",
         type=int,

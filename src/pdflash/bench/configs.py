@@ -29,11 +29,6 @@ class BenchConfig:
             return "token-only"
         return "derived" if self.derived else "fixed"
 
-    @property
-    def simulated(self) -> bool:
-        """Whether `pdflash simulate` models it (fixed blocks, fixed or token-only budgets, arrival order)."""
-        return self.speculation == "fixed" and not self.derived
-
 
 CONFIGS = {
     c.name: c
@@ -81,6 +76,7 @@ CONFIGS = {
     )
 }
 ALIASES = {c.label.lower(): c.name for c in CONFIGS.values()}
+BASELINES = ("ar", "dflash-token", "dflash-2d", "resident")  # B0-B3 of BENCHMARKS.md
 
 
 def parse_configs(text: str) -> list[BenchConfig]:

@@ -87,6 +87,22 @@ class CalibratedCosts:
     def step_s(self, seqs: int) -> float:
         return _line(self.step, seqs)
 
+    def ar_step_s(self, experts: int) -> float:
+        """One resident autoregressive step of one sequence routing `experts` experts (a verify of
+        one token and the engine's bookkeeping): what `pdflash bench` times to set its time scale."""
+        return sum(self.verify_s(1, 1, experts, offloaded=False)) + self.step_s(1)
+
+    def scaled(self, factor: float) -> CalibratedCosts:
+        """Every forward and the bookkeeping `factor` times as long (the machine under another load)."""
+        if not factor > 0:
+            raise ValueError(f"a compute scale must be > 0, got {factor!r}")
+        fits: dict[str, Any] = {
+            f.name: tuple(c * factor for c in getattr(self, f.name))
+            for f in attrs.fields(CalibratedCosts)
+            if f.name not in ("machine", "description")
+        }
+        return attrs.evolve(self, **fits, description=f"{self.description}, scaled x{factor:.2f}")
+
     def to_json(self, path: Path | str) -> None:
         Path(path).write_text(json.dumps(attrs.asdict(self), indent=1))
 

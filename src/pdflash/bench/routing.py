@@ -4,8 +4,9 @@ Owns the routing-trace file format (`pdflash bench --record-routing FILE`), the 
 that fills it from a running engine's speculator, trace replay, and the Zipf model
 (per-layer Zipf popularity with exponent s, per-sequence temporal locality rho). Every source
 answers the same two questions: which experts a sequence's prefill routes, and for its
-k-th round which experts its block routes, which were projected and how many tokens it
-commits. Must not touch caches, links or scheduling.
+k-th round (a block of b tokens whose anchor is its token `start`) which experts each token
+routes, which were projected and how many tokens it commits. Must not touch caches, links
+or scheduling.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Round:
     acceptance_length: int  # tokens committed, bonus included
     actual: Union  # experts the verify routed
     projected: Union  # experts the route projection predicted
+    positions: tuple[Union, ...] = ()  # [tokens]: each token's routed experts (empty: not known)
 
 
 class RoutingSource(Protocol):
@@ -39,41 +41,76 @@ class RoutingSource(Protocol):
 
     def prefill_union(self, seq: int, prompt_tokens: int) -> Union: ...
 
-    def round(self, seq: int, index: int, tokens: int) -> Round: ...
+    def round(self, seq: int, index: int, tokens: int, start: int) -> Round: ...
 
 
 def _keys(pairs) -> Union:
     return frozenset((int(layer), int(expert)) for layer, expert in pairs)
 
 
+KINDS = ("autoregressive", "speculative", "adaptive")
+
+
 @attrs.frozen
 class TraceRouting:
-    """Replays recorded sequences: simulated sequence i follows recorded sequence i mod n."""
+    """Replays recorded sequences: simulated sequence i follows recorded sequence i mod n.
+
+    "autoregressive" and "speculative" replay that trace's rounds in order, as recorded (full
+    blocks). "adaptive" serves blocks of any length b: round k commits min(b, the recorded
+    speculative round k's acceptance length) tokens, and its block routes what the recorded
+    autoregressive run routed at the b positions it covers (from its anchor `start` on). Greedy
+    speculative output equals autoregressive output, so that is the block's exact routing for its
+    anchor and accepted drafts; a rejected draft is a different token at its position, stood in
+    for by the one the target emitted there. A recorded speculative block of 8 and the
+    autoregressive routes of its 8 positions overlap by 0.75 (Jaccard) on the bundled pair, with
+    union sizes within 3%."""
 
     sequences: tuple[dict, ...]  # {"prompt_tokens", "prefill_union", "rounds": [...]} as recorded
     description: str = "replayed trace"
+    positional: tuple[dict, ...] = ()  # "adaptive": the autoregressive trace's sequences, same prompts
 
     @classmethod
     def load(cls, path: Path | str, kind: str) -> TraceRouting:
-        """The `kind` ("autoregressive" or "speculative") trace of a --record-routing file (.gz too)."""
+        """The `kind` (one of KINDS) trace of a --record-routing file (.gz too)."""
+        if kind not in KINDS:
+            raise ValueError(f"trace kind {kind!r} is not one of {', '.join(KINDS)}")
         raw = Path(path).read_bytes()
         data = json.loads(gzip.decompress(raw) if Path(path).suffix == ".gz" else raw)
         traces = data.get("traces", {})
-        if kind not in traces or not traces[kind]["sequences"]:
-            raise ValueError(f"{path}: no {kind!r} trace recorded (it has {sorted(traces)})")
-        return cls(tuple(traces[kind]["sequences"]), f"replayed {kind} trace from {Path(path).name}")
+        needed = ("speculative", "autoregressive") if kind == "adaptive" else (kind,)
+        for name in needed:
+            if name not in traces or not traces[name]["sequences"]:
+                raise ValueError(f"{path}: no {name!r} trace recorded (it has {sorted(traces)}); {kind!r} needs it")
+        spec = tuple(traces[needed[0]]["sequences"])
+        if kind != "adaptive":
+            return cls(spec, f"replayed {kind} trace from {Path(path).name}")
+        ar = tuple(traces["autoregressive"]["sequences"])
+        if [s["prompt_ids"] for s in spec] != [s["prompt_ids"] for s in ar]:
+            raise ValueError(f"{path}: its speculative and autoregressive traces ran different prompts")
+        description = f"replayed trace from {Path(path).name}: speculative acceptance, autoregressive routes"
+        return cls(spec, description, ar)
 
     def prefill_union(self, seq: int, prompt_tokens: int) -> Union:
         return _keys(self.sequences[seq % len(self.sequences)]["prefill_union"])
 
-    def round(self, seq: int, index: int, tokens: int) -> Round:
+    def round(self, seq: int, index: int, tokens: int, start: int) -> Round:
         rounds = self.sequences[seq % len(self.sequences)]["rounds"]
         r = rounds[index % len(rounds)]
+        accepted = min(tokens, r["acceptance_length"])
+        if not self.positional:
+            return Round(
+                tokens=tokens, acceptance_length=accepted, actual=_keys(r["actual"]), projected=_keys(r["projected"])
+            )
+        steps = self.positional[seq % len(self.positional)]["rounds"]  # step i verified emitted token i
+        covered = [steps[min(start + j, len(steps) - 1)] for j in range(tokens)]
+        positions = tuple(_keys(step["actual"]) for step in covered)
+        projected = frozenset().union(*(_keys(step["projected"]) for step in covered))
         return Round(
             tokens=tokens,
-            acceptance_length=min(tokens, r["acceptance_length"]),
-            actual=_keys(r["actual"]),
-            projected=_keys(r["projected"]),
+            acceptance_length=accepted,
+            actual=frozenset().union(*positions),
+            projected=projected,
+            positions=positions,
         )
 
     def output_tokens(self, seq: int) -> int:
@@ -139,11 +176,15 @@ class ZipfRouting:
     def prefill_union(self, seq: int, prompt_tokens: int) -> Union:
         return self._union(self._draw(seq, prompt_tokens))
 
-    def round(self, seq: int, index: int, tokens: int) -> Round:
-        union = self._union(self._draw(seq, tokens))
+    def round(self, seq: int, index: int, tokens: int, start: int) -> Round:
+        ids = self._draw(seq, tokens)  # [tokens, L, k]
+        positions = tuple(self._union(ids[t : t + 1]) for t in range(tokens))
+        union = frozenset().union(*positions)
         rng = self._state[seq][0]
         accepted = int(self.acceptance[rng.integers(len(self.acceptance))])
-        return Round(tokens=tokens, acceptance_length=min(tokens, accepted), actual=union, projected=union)
+        return Round(
+            tokens=tokens, acceptance_length=min(tokens, accepted), actual=union, projected=union, positions=positions
+        )
 
 
 class RoutingRecorder:

@@ -1,8 +1,8 @@
 """The simulated device expert cache and its serial copy engine, on a virtual clock.
 
 Mirrors `pdflash.offload.device_cache` without tensors or threads: a table of experts in
-slots, pins held by the layer a forward is running, claims held by route-ahead prefetches
-until a forward reaches their layer, and the REAL eviction policy (`make_policy`) choosing
+slots, pins held by the layer a forward is running, counted claims held by route-ahead
+prefetches until their verify ran (`release`), and the REAL eviction policy (`make_policy`) choosing
 among unpinned ready experts (claimed last, then lowest score). One serial copy engine runs
 jobs in priority order (on-demand > route-ahead), each taking bytes / link rate, like the
 emulated link's pipe. Counts in the real cache's `Counters`. Must not schedule or compute.
@@ -34,7 +34,6 @@ class _Entry:
     ready_at: float = math.inf  # virtual time its copy lands (inf: not started)
     pins: int = 0
     prefetched: bool = False  # brought in by a prefetch, not yet used
-    claimed: bool = False
 
 
 @attrs.define(eq=False)
@@ -47,7 +46,15 @@ class _Job:
 class SimCache:
     """Slots, pins, claims, the eviction policy and the copy engine of one simulated run."""
 
-    def __init__(self, byte_map: Mapping[ExpertKey, int], *, slots: int, link_bytes_per_s: float, policy: str) -> None:
+    def __init__(
+        self,
+        byte_map: Mapping[ExpertKey, int],
+        *,
+        slots: int,
+        link_bytes_per_s: float,
+        policy: str,
+        claims_per_layer: bool = False,  # the cache before 83fdf42: a forward reaching a layer ends its claims
+    ) -> None:
         if slots < 2:
             raise SimulationError(f"the simulated expert cache holds {slots} experts; it needs at least 2")
         self.byte_map, self.slots, self.rate = byte_map, slots, link_bytes_per_s
@@ -57,7 +64,8 @@ class SimCache:
         self._queue: list[tuple[int, int, _Job]] = []
         self._order = itertools.count()
         self._link_free_at = 0.0
-        self._claimed: dict[int, set[ExpertKey]] = {}
+        self.claims: dict[ExpertKey, int] = {}  # key -> unreleased prefetches claiming it
+        self.claims_per_layer = claims_per_layer
         self._lane_victims: list[_Entry] | None = None  # valid until pins or scores change
         # Every shipped policy scores (layer, expert) from that layer's routing history only, so a
         # score changes only when its layer is observed (or the key forgotten): cache per layer.
@@ -68,12 +76,28 @@ class SimCache:
         return frozenset(self.table)
 
     # -- route-ahead prefetch --
-    def prefetch(self, union: Iterable[ExpertKey], now: float) -> None:
-        for key in sorted(set(union)):
-            if key in self.table:
-                self._claim(self.table[key])
-            else:
+    def prefetch(self, union: Iterable[ExpertKey], now: float) -> tuple[ExpertKey, ...]:
+        """Queue the union's missing experts (earliest layer first) and claim every key of it, as
+        OffloadedExperts.prefetch does; returns the claim, for `release` once its verify ran."""
+        keys = tuple(sorted(set(union)))
+        for key in keys:
+            self.claims[key] = self.claims.get(key, 0) + 1
+            if key not in self.table:
                 self._push(Priority.ROUTE_AHEAD, _Job(key, now, None))
+        self._lane_victims = None
+        return keys
+
+    def release(self, claim: tuple[ExpertKey, ...]) -> None:
+        """Give back one prefetch's claims (per-layer claims ended when the forward reached them)."""
+        if self.claims_per_layer:
+            return
+        for key in claim:
+            left = self.claims.get(key, 0) - 1
+            if left > 0:
+                self.claims[key] = left
+            else:
+                self.claims.pop(key, None)
+        self._lane_victims = None
 
     # -- a forward's layer --
     def acquire(self, layer: int, experts: Iterable[int], now: float) -> tuple[list[_Entry], float]:
@@ -83,9 +107,9 @@ class SimCache:
         self.policy.observe(layer, experts)
         self._scores.pop(layer, None)
         self._lane_victims = None
-        for key in self._claimed.pop(layer, ()):
-            if key in self.table:
-                self.table[key].claimed = False
+        if self.claims_per_layer:
+            for key in [k for k in self.claims if k[0] == layer]:
+                del self.claims[key]
         self._run_lane(until=now)
         held, missing = [], []
         for expert in experts:
@@ -115,7 +139,7 @@ class SimCache:
         self._run_lane(until=now, needed=held)
         return held, max((e.ready_at for e in held), default=now)
 
-    def release(self, held: list[_Entry]) -> None:
+    def unpin(self, held: list[_Entry]) -> None:
         for entry in held:
             entry.pins -= 1
         self._lane_victims = None
@@ -127,18 +151,17 @@ class SimCache:
     def _push(self, priority: Priority, job: _Job) -> None:
         heapq.heappush(self._queue, (int(priority), next(self._order), job))
 
-    def _claim(self, entry: _Entry) -> None:
-        entry.claimed = True
-        self._claimed.setdefault(entry.key[0], set()).add(entry.key)
-
     def _victims(self, n: int, *, allow_claimed: bool, now: float) -> list[_Entry]:
         """The n entries the real cache would evict one after another (scores do not change between)."""
         if n <= 0:
             return []
+        claims = self.claims
         candidates = [
-            e for e in self.table.values() if e.ready_at <= now and e.pins == 0 and (allow_claimed or not e.claimed)
+            e
+            for e in self.table.values()
+            if e.ready_at <= now and e.pins == 0 and (allow_claimed or e.key not in claims)
         ]
-        return heapq.nsmallest(n, candidates, key=lambda e: (e.claimed, self._score(e.key)))
+        return heapq.nsmallest(n, candidates, key=lambda e: (e.key in claims, self._score(e.key)))
 
     def _score(self, key: ExpertKey) -> tuple:
         layer = self._scores.setdefault(key[0], {})
@@ -148,7 +171,6 @@ class SimCache:
 
     def _evict(self, entry: _Entry) -> None:
         del self.table[entry.key]
-        self._claimed.get(entry.key[0], set()).discard(entry.key)
         self.policy.forget(entry.key)
         self._scores.get(entry.key[0], {}).pop(entry.key, None)
         self.counters.evictions += 1
@@ -162,7 +184,7 @@ class SimCache:
             self._lane_victims = self._victims(len(self._queue) + 1, allow_claimed=False, now=now)[::-1]
         while self._lane_victims:
             victim = self._lane_victims.pop()
-            if self.table.get(victim.key) is victim and not victim.claimed and victim.pins == 0:
+            if self.table.get(victim.key) is victim and victim.key not in self.claims and victim.pins == 0:
                 self._evict(victim)
                 return True
         return False
@@ -179,15 +201,13 @@ class SimCache:
             start = max(self._link_free_at, job.requested_at)
             entry = job.reserved
             if entry is None:  # route-ahead: like the lane's _prefetch_job
-                if job.key in self.table:
-                    self._claim(self.table[job.key])
+                if job.key in self.table:  # claimed at prefetch; another copy brought it
                     continue
                 if not self._prefetch_slot(start):
                     self.counters.prefetch_dropped += 1
                     continue
                 entry = _Entry(job.key, self.byte_map[job.key], prefetched=True)
                 self.table[job.key] = entry
-                self._claim(entry)
                 self.counters.prefetch_bytes += entry.nbytes
             entry.ready_at = self._link_free_at = start + entry.nbytes / self.rate
             self.counters.expert_bytes_fetched += entry.nbytes

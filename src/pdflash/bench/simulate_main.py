@@ -16,7 +16,8 @@ from pdflash.bench.profiles import get_profile
 from pdflash.bench.replicated import replicated_point
 from pdflash.bench.report import markdown_table, validation_table
 from pdflash.bench.routing import TraceRouting, ZipfRouting
-from pdflash.bench.simulator import SimSetup, simulate_closed_loop
+from pdflash.bench.sim_clients import simulate_closed_loop
+from pdflash.bench.simulator import SimSetup
 
 CPU_SLOT_ITEMSIZE = 4  # the CPU engine's expert arena is float32
 
@@ -29,6 +30,13 @@ def default_acceptance() -> tuple[list[int], str]:
 
 def _requests_per_client(min_requests: int, c: int) -> int:
     return max(1, -(-min_requests // c))
+
+
+def trace_kind(cfg: BenchConfig) -> str:
+    """Which recorded trace a configuration replays (pdflash.bench.routing.TraceRouting)."""
+    if cfg.speculation == "adaptive" and cfg.speculative:
+        return "adaptive"
+    return "speculative" if cfg.speculative else "autoregressive"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     def routing_for(cfg: BenchConfig):
         if args.routing is not None:
-            return TraceRouting.load(args.routing, "speculative" if cfg.speculative else "autoregressive")
+            return TraceRouting.load(args.routing, trace_kind(cfg))
         return ZipfRouting(
             layers=m.num_hidden_layers,
             experts=m.num_experts,
@@ -85,8 +93,10 @@ def run(args: argparse.Namespace) -> int:
                     routing=routing_for(cfg),
                     byte_map=byte_map,
                     moe_layers=tuple(range(m.num_hidden_layers)),
+                    top_k=m.num_experts_per_tok,
                     block_size=block,
                     cache_slots=budget // m.expert_bytes,
+                    cache_bytes=budget,
                     link_bytes_per_s=profile.link.h2d_bytes_per_s,
                     policy=args.eviction,
                     max_num_seqs=max_seqs,
@@ -165,8 +175,16 @@ def validate(args: argparse.Namespace) -> int:
     spec = probe.speculator
     cfg = spec.target.config
     slot = 3 * cfg.hidden_size * cfg.moe_intermediate_size * CPU_SLOT_ITEMSIZE
-    slots = int(scale["cache_fraction"] * (len(spec.expert_nbytes) * slot)) // slot  # as OffloadedExperts sizes it
-    costs = CalibratedCosts.from_json(args.calibration)
+    cache_bytes = int(scale["cache_fraction"] * (len(spec.expert_nbytes) * slot))  # as OffloadedExperts sizes it
+    calibrated = CalibratedCosts.from_json(args.calibration)
+    routed = len(cfg.moe_layer_ids) * cfg.top_k  # experts one token routes
+    factor = scale["ar_step_s"] / calibrated.ar_step_s(routed) if args.compute_scale == "auto" else None
+    if factor is None:
+        try:
+            factor = float(args.compute_scale)
+        except ValueError:
+            raise ValueError(f"--compute-scale={args.compute_scale!r} is neither a number nor 'auto'") from None
+    costs = calibrated.scaled(factor) if factor != 1 else calibrated
     measured = [PointResult(**p) for p in bench["results"]]
     wanted = {c.name for c in parse_configs(args.configs)}
     simulated = []
@@ -174,20 +192,24 @@ def validate(args: argparse.Namespace) -> int:
         for point in measured:
             if point.config not in wanted:
                 continue
-            config = CONFIGS[point.config]
-            routing = TraceRouting.load(args.routing, "speculative" if config.speculative else "autoregressive")
+            config = CONFIGS.get(point.config) or parse_configs(point.config)[0]
+            routing = TraceRouting.load(args.routing, trace_kind(config))
+            budgets = point.extra.get("budgets") or {}
             setup = SimSetup(
                 config=config,
                 costs=costs,
                 routing=routing,
                 byte_map=spec.expert_nbytes,
                 moe_layers=tuple(cfg.moe_layer_ids),
+                top_k=cfg.top_k,
                 block_size=spec.block_size,
-                cache_slots=slots,
+                cache_slots=cache_bytes // slot,
+                cache_bytes=cache_bytes,
                 link_bytes_per_s=scale["link_gbps"] * 1e9,
                 policy=bench["eviction"],
                 max_num_seqs=bench["max_num_seqs"],
-                budgets=point.extra.get("budgets") or None,
+                budgets={k: v for k, v in budgets.items() if k.startswith("verify_")} or None,
+                pipelined=not args.lock_step,
             )
             simulated.append(
                 simulate_closed_loop(
@@ -206,13 +228,16 @@ def validate(args: argparse.Namespace) -> int:
         "calibration": str(args.calibration),
         "routing": str(args.routing),
         "time_scale": scale,
+        "compute_scale": factor,
+        "engine_model": "lock-step" if args.lock_step else "pipelined",
         "worst_relative_error": worst,
         "command": "pdflash " + " ".join(sys.argv[1:]),
     }
     lines = [
         f"# {header['title']}",
         "",
-        f"bench report {args.validate}; worst error {worst:.1%}",
+        f"bench report {args.validate}; {header['engine_model']} engine; calibrated costs x{factor:.2f}; "
+        f"worst error {worst:.1%}",
         "",
         table,
         "",

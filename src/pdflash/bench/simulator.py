@@ -1,30 +1,43 @@
-"""`pdflash simulate`: the engine's step loop as a discrete-event run on a virtual clock.
+"""`pdflash simulate`: the pipelined engine as a discrete-event run on a virtual clock.
 
-Owns the simulated step (prefill newcomers -> draft every DRAFT sequence -> one admission
-tick -> route-ahead prefetch -> one batched verify, as AsyncEngine._step does), closed-loop
-and Poisson clients, and the per-request records. The REAL `VerifyScheduler` admits verifies
-(on this clock) and the REAL eviction policies choose victims (in SimCache); only forwards
-(a CostModel) and the link (SimCache's serial copy engine) are modelled, and routing comes
-from a RoutingSource. Must not touch engines or tensors.
+Owns the simulated engine: one flow per sequence (prefill, then plan -> draft -> register ->
+admission -> verify -> stream, as AsyncEngine._serve), the lanes it runs on (target: prefill,
+plain-decoding rounds, verifies; drafter: drafted blocks; the cache's copy engine: every
+expert copy) and the pacer (one tick when the target lane is about to launch a batch and at
+most once while a batch runs, as pdflash.engine.pacer.VerifyPacer), so batch N+1's copies
+run during batch N's compute and wall time is what that schedule gives. The engine's own
+pieces decide: the REAL VerifyScheduler built by EngineConfig.verify_scheduler, the derived
+budgets (DerivedBudgets), the offer order, the SpeculationPlanner with the speculation policy
+and acceptance estimates, and the eviction policies (in SimCache). Only forwards (a CostModel),
+the link (bytes / rate) and routing (a RoutingSource) are modelled. Clients and per-request
+records are pdflash.bench.sim_clients'. Must not touch engines or tensors.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Mapping, Sequence
+from typing import cast
 
-import anyio
 import attrs
 
 from pdflash.bench.configs import BenchConfig
 from pdflash.bench.costs import CostModel
-from pdflash.bench.metrics import PointResult, RequestRecord, Traffic, summarise
+from pdflash.bench.metrics import RequestRecord, Traffic
 from pdflash.bench.routing import Round, RoutingSource
-from pdflash.bench.sim_cache import SimCache
-from pdflash.engine.scheduler import VerifyScheduler
+from pdflash.bench.sim_cache import SimCache, SimulationError
+from pdflash.bench.sim_events import Clock, Job, SimBatchLane, SimLane
+from pdflash.engine.config import EngineConfig
+from pdflash.engine.pacer import DerivedBudgets
+from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.engine.ticket import Ticket
+from pdflash.spec.acceptance import SequenceAcceptance
+from pdflash.spec.policy import expected_committed
+from pdflash.spec.projection import ProjectionQuality, union_bytes
+from pdflash.spec.session import RoundTrace
+from pdflash.spec.speculator import position_fetch_bytes
 from pdflash.target.experts import ExpertKey
+
+STALLED_TICKS = 64  # ticks in a row that admit nothing with nothing running: a configuration that cannot run
 
 
 @attrs.frozen(kw_only=True)
@@ -36,28 +49,39 @@ class SimSetup:
     routing: RoutingSource
     byte_map: Mapping[ExpertKey, int]  # bytes per (layer, expert), as stored
     moe_layers: tuple[int, ...]
+    top_k: int  # experts each token routes per MoE layer (the byte cap's liveness bound)
     block_size: int  # the drafter's block (1 is used for autoregressive configurations)
     cache_slots: int  # experts the device cache holds (offloaded configurations)
+    cache_bytes: int  # the device cache's byte budget, as the engine reads it (derived budgets)
     link_bytes_per_s: float  # the copy engine's rate
     policy: str = "activation"
     max_num_seqs: int = 64
     prefill_token_budget: int = 4096
-    budgets: dict | None = None  # the four verify_* budgets of a 2-D configuration
+    budgets: dict | None = None  # the four verify_* budgets of a fixed 2-D configuration
+    # False: the engine before the pipelined one (main up to 73fabf9), which measured the first
+    # validation table: a lock-step loop (drafts on the verify thread, no tick while a verify runs)
+    # and a cache whose claims ended when a forward reached their layer
+    pipelined: bool = True
 
 
 @attrs.define(eq=False)
-class _Seq:
+class SimRequest:
     rid: int  # request number, the scheduler's seq id
     route: int  # routing sequence (prompt index)
     prompt_tokens: int
     max_tokens: int
     arrived_s: float
     client: int | None
+    acceptance: SequenceAcceptance | None = None
     emitted: int = 0
     rounds: int = 0
-    drafted_at: float = 0.0
+    unseen: int = 0  # target features the drafter has not drafted on yet
+    planned: int = 1  # the block the planner chose for the round being drafted
     pending: Round | None = None  # the drafted round awaiting its verify
+    resident: frozenset[ExpertKey] = frozenset()  # resident when it was drafted
     ticket: Ticket | None = None
+    claim: tuple[ExpertKey, ...] | None = None  # its route-ahead prefetch's claim
+    drafted_at: float = 0.0
     times: list[float] = attrs.Factory(list)
     tokens: list[int] = attrs.Factory(list)
     lengths: list[int] = attrs.Factory(list)
@@ -65,184 +89,294 @@ class _Seq:
     coverage: list[float] = attrs.Factory(list)
 
 
-def _round(q: _Seq) -> Round:
+def _round(q: SimRequest) -> Round:
     assert q.pending is not None, f"request {q.rid} has no drafted round"
     return q.pending
 
 
+def _scheduler_config(cfg: BenchConfig, max_num_seqs: int, budgets: dict | None) -> EngineConfig:
+    if cfg.derived:
+        return EngineConfig(max_num_seqs=max_num_seqs, scheduling="derived", verify_order=cfg.verify_order)
+    if cfg.two_dimensional:
+        if not budgets:
+            raise SimulationError(f"{cfg.name} is a fixed 2-D configuration: give it the four verify_* budgets")
+        return EngineConfig(max_num_seqs=max_num_seqs, scheduling="fixed", verify_order=cfg.verify_order, **budgets)
+    return EngineConfig(max_num_seqs=max_num_seqs, scheduling="token-only")
+
+
 class Simulator:
-    """One point: its clients, the virtual clock, the real scheduler and the simulated cache."""
+    """One point: its sequences, the lanes, the pacer, the real scheduler and the simulated cache."""
 
     def __init__(self, setup: SimSetup, max_tokens: int) -> None:
-        self.s = setup
+        self.s, cfg = setup, setup.config
         self.max_tokens = max_tokens  # per request, unless its replayed trace ended sooner
-        self.now = 0.0
-        cfg = setup.config
+        self.clock = Clock()
         self.block = setup.block_size if cfg.speculative else 1
         self.cache = (
             SimCache(
-                setup.byte_map, slots=setup.cache_slots, link_bytes_per_s=setup.link_bytes_per_s, policy=setup.policy
+                setup.byte_map,
+                slots=setup.cache_slots,
+                link_bytes_per_s=setup.link_bytes_per_s,
+                policy=setup.policy,
+                claims_per_layer=not setup.pipelined,
             )
             if cfg.offloaded
             else None
         )
-        if not cfg.simulated:
-            raise ValueError(
-                f"the simulator does not model {cfg.name} (adaptive blocks or budgets derived per tick); "
-                "use ar, dflash-token, dflash-2d or resident"
-            )
-        if cfg.two_dimensional:
-            b = setup.budgets or {}
-            self.scheduler = VerifyScheduler(
-                token_budget=b["verify_token_budget"],
-                token_cap=b["verify_token_cap"],
-                byte_budget=b["verify_byte_budget"],
-                byte_cap=b["verify_byte_cap"],
-                byte_map=setup.byte_map,
-                clock=lambda: self.now,
-            )
-        else:
-            budget = setup.max_num_seqs * self.block
-            self.scheduler = VerifyScheduler(token_budget=budget, token_cap=budget, clock=lambda: self.now)
+        engine_config = _scheduler_config(cfg, setup.max_num_seqs, setup.budgets)
+        mode = engine_config.resolved_scheduling(offloaded=cfg.offloaded)
+        self.scheduler = engine_config.verify_scheduler(
+            mode, self.block, setup.byte_map, setup.top_k, setup.cache_bytes if cfg.offloaded else 0
+        )
+        self.derived = (
+            DerivedBudgets(cache_bytes=setup.cache_bytes, token_budget=self.scheduler.budget.tokens)
+            if mode == "derived"
+            else None
+        )
+        self.planner = SpeculationPlanner(
+            cfg.speculation if cfg.speculative else "fixed",
+            self.block,
+            setup.link_bytes_per_s if cfg.offloaded else None,
+        )
         self.router = cfg.offloaded or cfg.two_dimensional  # the engine's default projector choice
-        self.model_s = 0.0
-        self.waiting: list[_Seq] = []
-        self.live: list[_Seq] = []
-        self.done: list[_Seq] = []
+        self.target = SimLane(self.clock, "target")
+        self.drafter = SimLane(self.clock, "drafter") if setup.pipelined else self.target
+        self.prefill = SimBatchLane(
+            self.target,
+            self._prefill_job,
+            self._prefilled,
+            cost=lambda q: q.prompt_tokens,
+            max_cost=setup.prefill_token_budget,
+        )
+        self.draft = SimBatchLane(self.drafter, self._draft_job, self._drafted)
+        self.plain = SimBatchLane(self.target, self._plain_job, self._drafted)
+        self.waiting: list[SimRequest] = []
+        self.seated: dict[int, SimRequest] = {}  # by request id: prefilling or in rounds
+        self.done: list[SimRequest] = []
+        self.on_finish = lambda q: None  # the clients' hook: a finished request may send the next
+        self._running: list[SimRequest] | None = None  # the batch on the target lane (or queued for it)
+        self._running_union: frozenset[ExpertKey] = frozenset()
+        self._next: list[SimRequest] = []  # admitted by a tick during the running batch, prefetching
+        self._ticked = False
+        self.verify_batches: dict[int, int] = {}  # sequences per batched verify -> batches
+        self.ticks_in_flight = 0
 
-    # -- forwards --
-    def _forward(self, unions: Sequence[frozenset[ExpertKey]], dense_s: float, expert_s: float) -> None:
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    # -- arrivals and seats --
+    def arrive(self, q: SimRequest) -> None:
+        self.waiting.append(q)
+        self._seat()
+
+    def _seat(self) -> None:
+        while self.waiting and len(self.seated) < self.s.max_num_seqs:
+            q = self.waiting.pop(0)
+            self.seated[q.rid] = q
+            self.prefill.submit(q)
+
+    def _exit(self, q: SimRequest) -> None:
+        self.done.append(q)
+        del self.seated[q.rid]
+        self.on_finish(q)
+        self._seat()
+
+    # -- forwards (lane jobs) --
+    def _forward(self, unions: Sequence[frozenset[ExpertKey]], dense_s: float, expert_s: float) -> Job:
         """A target forward layer by layer: attention and routing, then the MoE block, which asks
         for its missing experts and computes in waves as they land (the last wave after the last
         copy), as OffloadedExperts.waves serves a forward."""
-        started = self.now
         if self.cache is None:
-            self.now += dense_s + expert_s
-        else:
-            dense_l, expert_l = dense_s / len(self.s.moe_layers), expert_s / len(self.s.moe_layers)
-            by_layer: dict[int, set[int]] = {layer: set() for layer in self.s.moe_layers}
-            for union in unions:
-                for layer, expert in union:
-                    by_layer[layer].add(expert)
-            for layer in self.s.moe_layers:
-                self.now += dense_l
-                experts = by_layer[layer]
-                held, ready = self.cache.acquire(layer, experts, self.now)
-                done = max(self.now + expert_l, ready + expert_l / max(1, len(experts)))
-                self.cache.counters.exposed_fetch_s += done - self.now - expert_l
-                self.now = done
-                self.cache.release(held)
-        self.model_s += self.now - started
-
-    # -- the step --
-    def step(self) -> None:
-        self.now += self.s.costs.step_s(len(self.live))
-        self._prefill()
-        self._draft()
-        admitted = self._admit()
-        if admitted and self.cache is not None:
-            self.cache.prefetch(frozenset().union(*(_round(q).projected for q in admitted)), self.now)
-        self._verify(admitted)
-
-    def _prefill(self) -> None:
-        batch: list[_Seq] = []
-        tokens = 0
-        while self.waiting and len(self.live) + len(batch) < self.s.max_num_seqs:
-            q = self.waiting[0]
-            if batch and tokens + q.prompt_tokens > self.s.prefill_token_budget:
-                break
-            batch.append(self.waiting.pop(0))
-            tokens += q.prompt_tokens
-        if not batch:
+            yield self.now + dense_s + expert_s
             return
+        dense_l, expert_l = dense_s / len(self.s.moe_layers), expert_s / len(self.s.moe_layers)
+        by_layer: dict[int, set[int]] = {layer: set() for layer in self.s.moe_layers}
+        for union in unions:
+            for layer, expert in union:
+                by_layer[layer].add(expert)
+        for layer in self.s.moe_layers:
+            yield self.now + dense_l
+            experts = by_layer[layer]
+            held, ready = self.cache.acquire(layer, experts, self.now)
+            done = max(self.now + expert_l, ready + expert_l / max(1, len(experts)))
+            self.cache.counters.exposed_fetch_s += done - self.now - expert_l
+            yield done
+            self.cache.unpin(held)
+
+    def _prefill_job(self, batch: list[SimRequest]) -> Job:
+        tokens = sum(q.prompt_tokens for q in batch)
         unions = [self.s.routing.prefill_union(q.route, q.prompt_tokens) for q in batch]
         experts = len(frozenset().union(*unions))
-        self._forward(unions, *self.s.costs.prefill_s(tokens, len(batch), experts, offloaded=self.cache is not None))
-        for q in batch:
-            self._emit(q, 1)
-            if q.emitted < q.max_tokens:
-                self.live.append(q)
+        yield from self._forward(unions, *self.s.costs.prefill_s(tokens, len(batch), experts, offloaded=self._offl))
 
-    def _draft(self) -> None:
-        batch = [q for q in self.live if q.pending is None]
-        if not batch:
-            return
-        sizes = [min(self.block, q.max_tokens - q.emitted + 1) for q in batch]
-        context = sum(q.lengths[-1] if q.lengths else q.prompt_tokens for q in batch)  # features not yet drafted on
-        started = self.now
-        self.now += self.s.costs.draft_s(
-            len(batch), sum(sizes), context, speculative=self.s.config.speculative, router=self.router
-        )
-        self.model_s += self.now - started
+    def _draft_job(self, batch: list[SimRequest]) -> Job:
+        """The drafter lane: drafter forward and route projection of blocks of 2 or more."""
+        sizes = [min(q.planned, q.max_tokens - q.emitted + 1) for q in batch]
+        drafting = [q for q, size in zip(batch, sizes, strict=True) if size >= 2]
+        context = sum(q.unseen for q in drafting)
+        seconds = self.s.costs.draft_s(len(batch), sum(sizes), context, speculative=bool(drafting), router=self.router)
+        yield self.now + seconds
+        self.planner.observe_draft(len(drafting), seconds)
+        return sizes
+
+    def _plain_job(self, batch: list[SimRequest]) -> Job:
+        """The target lane: plain-decoding rounds (a block of 1: the route projection only)."""
+        yield self.now + self.s.costs.draft_s(len(batch), len(batch), 0, speculative=False, router=self.router)
+        return [1] * len(batch)
+
+    @property
+    def _offl(self) -> bool:
+        return self.cache is not None
+
+    # -- one sequence's flow --
+    def _prefilled(self, batch: list[SimRequest], _: object) -> None:
+        for q in batch:
+            q.unseen = q.prompt_tokens
+            self._emit(q, 1)
+            if q.emitted >= q.max_tokens:
+                self._exit(q)
+                continue
+            q.acceptance = self.planner.track()
+            self._plan(q)
+
+    def _plan(self, q: SimRequest) -> None:
+        """Ask the planner for the next block (RoundWork.plan: greedy requests follow the policy)."""
+        assert q.acceptance is not None
+        choice = self.planner.plan(q.acceptance)
+        q.planned = choice.block if choice is not None else self.block
+        (self.draft if q.planned > 1 else self.plain).submit(q)
+
+    def _drafted(self, batch: list[SimRequest], sizes: list[int]) -> None:
         resident = self.cache.resident() if self.cache is not None else frozenset()
         for q, size in zip(batch, sizes, strict=True):
-            q.pending = self.s.routing.round(q.route, q.rounds, size)
-            union = q.pending.projected
-            full = sum(self.s.byte_map[k] for k in union)
-            fetch = sum(self.s.byte_map[k] for k in union - resident)
-            q.ticket = self.scheduler.register(q.rid, size, union, full, fetch)
+            if size >= 2:
+                q.unseen = 0
+            r = q.pending = self.s.routing.round(q.route, q.rounds, size, q.emitted - 1)
+            q.resident = resident
+            expected = expected_committed(q.acceptance.estimate(), size) if q.acceptance is not None else 1.0
+            full = union_bytes(r.projected, self.s.byte_map)
+            fetch = union_bytes(r.projected - resident, self.s.byte_map)
+            q.ticket = self.scheduler.register(q.rid, size, r.projected, full, fetch, expected)
             q.drafted_at = self.now
+        self._changed()
 
-    def _admit(self) -> list[_Seq]:
-        if self.scheduler.pending_count():
-            resident = self.cache.resident() if self.cache is not None else frozenset()
-            self.scheduler.tick(resident, frozenset())
-        admitted = [q for q in self.live if q.ticket is not None and q.ticket.admitted]
-        for q in admitted:
-            self.scheduler.mark_in_flight(q.rid)
-            q.wait_s += self.now - q.drafted_at
-        return admitted
+    def _stream(self, q: SimRequest, r: Round) -> None:
+        accepted = min(r.acceptance_length, q.max_tokens - q.emitted)
+        assert q.acceptance is not None
+        q.acceptance.observe(r.tokens, r.acceptance_length - 1)
+        q.rounds += 1
+        q.unseen += accepted
+        q.lengths.append(accepted)
+        actual = union_bytes(r.actual, self.s.byte_map)
+        q.coverage.append(union_bytes(r.actual & r.projected, self.s.byte_map) / actual if actual else 1.0)
+        q.pending, q.ticket = None, None
+        if q.claim is not None and self.cache is not None:
+            self.cache.release(q.claim)
+        q.claim = None
+        self._emit(q, accepted)
+        if q.emitted >= q.max_tokens:
+            self._exit(q)
+        else:
+            self._plan(q)
 
-    def _verify(self, batch: list[_Seq]) -> None:
-        if not batch:
-            return
-        tokens = sum(_round(q).tokens for q in batch)
-        unions = [_round(q).actual for q in batch]
-        experts = len(frozenset().union(*unions))
-        self._forward(unions, *self.s.costs.verify_s(tokens, len(batch), experts, offloaded=self.cache is not None))
-        for q in batch:
-            self.scheduler.finish(q.rid)
-            r, q.pending, q.ticket = _round(q), None, None
-            accepted = min(r.acceptance_length, q.max_tokens - q.emitted)
-            q.rounds += 1
-            q.lengths.append(accepted)
-            actual = sum(self.s.byte_map[k] for k in r.actual)
-            q.coverage.append(sum(self.s.byte_map[k] for k in r.actual & r.projected) / actual if actual else 1.0)
-            self._emit(q, accepted)
-            if q.emitted >= q.max_tokens:
-                self.live.remove(q)
-
-    def _emit(self, q: _Seq, tokens: int) -> None:
+    def _emit(self, q: SimRequest, tokens: int) -> None:
         q.emitted += tokens
         q.times.append(self.now)
         q.tokens.append(tokens)
-        if q.emitted >= q.max_tokens:
-            self.done.append(q)
 
-    # -- clients --
-    def run(self, arrivals: list[tuple[float, int, int, int, int | None]], follow_ups: dict) -> None:
-        """`arrivals`: (time, rid, route, prompt_tokens, client) known up front; `follow_ups`:
-        client -> list of (route, prompt_tokens) it sends after each finished request."""
-        pending = list(arrivals)
-        heapq.heapify(pending)
-        rids = itertools.count(len(arrivals))
-        limit = getattr(self.s.routing, "output_tokens", lambda route: None)
-        while pending or self.waiting or self.live:
-            while pending and pending[0][0] <= self.now:
-                t, rid, route, prompt, client = heapq.heappop(pending)
-                tokens = min(self.max_tokens, limit(route) or self.max_tokens)
-                self.waiting.append(_Seq(rid, route, prompt, tokens, t, client))
-            if not self.waiting and not self.live:
-                self.now = pending[0][0]
-                continue
-            finished = len(self.done)
-            self.step()
-            for q in self.done[finished:]:
-                queue = follow_ups.get(q.client)
-                if queue:
-                    route, prompt = queue.pop(0)
-                    heapq.heappush(pending, (self.now, next(rids), route, prompt, q.client))
+    # -- the pacer --
+    def _changed(self) -> None:
+        """A demand registered: launch if the target lane has no batch, else tick once for the next."""
+        if self._running is None:
+            self._serve()
+        elif self.s.pipelined and not self._ticked and self.scheduler.pending_count():
+            self._next, self._ticked = self._tick(self._running_union), True
 
+    def _serve(self) -> None:
+        if not self.s.pipelined and any(q.ticket is None for q in self.seated.values()):
+            return  # lock-step: a step's tick follows its prefills and every sequence's draft
+        batch = [q for q in self._next if q.pending is not None]
+        self._next = []
+        for _ in range(STALLED_TICKS):
+            if batch or not (self.scheduler.pending_count() or self.scheduler.admitted_ids()):
+                break
+            batch = self._tick(frozenset())  # nothing fits yet: the carried quantum grows each tick
+        else:
+            raise SimulationError(f"{STALLED_TICKS} ticks admitted nothing with nothing running ({self.s.config.name})")
+        if batch:
+            self._launch(batch)
+
+    def _launch(self, batch: list[SimRequest]) -> None:
+        self._running, self._ticked = batch, False
+        self.verify_batches[len(batch)] = self.verify_batches.get(len(batch), 0) + 1
+        self._running_union = frozenset().union(*(_round(q).projected for q in batch))
+        launched = self.now
+        exposed = self.cache.counters.exposed_fetch_s if self.cache is not None else 0.0
+        self.target.submit(lambda: self._verify_job(batch), lambda _: self._verified(batch, launched, exposed))
+        if self.s.pipelined and self.scheduler.pending_count():
+            self._next, self._ticked = self._tick(self._running_union), True
+
+    def _tick(self, in_flight: frozenset[ExpertKey]) -> list[SimRequest]:
+        self.ticks_in_flight += bool(in_flight)
+        resident = self.cache.resident() if self.cache is not None else frozenset()
+        budget = self.derived.per_tick(union_bytes(in_flight, self.s.byte_map)) if self.derived is not None else None
+        self.scheduler.tick(resident, in_flight, budget=budget)
+        admitted = [self.seated[cast(int, i)] for i in self.scheduler.admitted_ids()]
+        for q in admitted:
+            self.scheduler.mark_in_flight(q.rid)
+            q.wait_s += self.now - q.drafted_at
+            if self.cache is not None:
+                q.claim = self.cache.prefetch(_round(q).projected, self.now)
+        return admitted
+
+    def _verify_job(self, batch: list[SimRequest]) -> Job:
+        yield self.now + self.s.costs.step_s(len(self.seated))  # the engine's bookkeeping per launch
+        rounds = [_round(q) for q in batch]
+        unions = [r.actual for r in rounds]
+        experts = len(frozenset().union(*unions))
+        tokens = sum(r.tokens for r in rounds)
+        yield from self._forward(unions, *self.s.costs.verify_s(tokens, len(batch), experts, offloaded=self._offl))
+
+    def _verified(self, batch: list[SimRequest], launched: float, exposed: float) -> None:
+        """As VerifyPacer._verify: finish the demands, teach the planner, then each sequence streams."""
+        waited = (self.cache.counters.exposed_fetch_s if self.cache is not None else 0.0) - exposed
+        rounds = [_round(q) for q in batch]
+        known = all(r.positions for r in rounds)
+        positions = (
+            position_fetch_bytes([q.resident for q in batch], [r.positions for r in rounds], self.s.byte_map)
+            if known
+            else [()] * len(batch)
+        )
+        traces = [self._trace(r, p) for r, p in zip(rounds, positions, strict=True)]
+        for q in batch:
+            self.scheduler.finish(q.rid)
+        self.planner.observe_verify(traces, max(0.0, self.now - launched - waited))
+        self._running = None
+        for q, r in zip(batch, rounds, strict=True):
+            self._stream(q, r)
+        # the pacer launches its next batch after the sequences' follow-up rounds were submitted
+        # (measured on the engine: a plain round of batch N reaches the target lane before N+1's verify)
+        self.clock.at(self.now, self._serve_if_idle)
+
+    def _serve_if_idle(self) -> None:
+        if self._running is None:
+            self._serve()
+
+    def _trace(self, r: Round, positions: tuple[int, ...]) -> RoundTrace:
+        nbytes = self.s.byte_map
+        return RoundTrace(
+            start=0,
+            tokens=r.tokens,
+            acceptance_length=r.acceptance_length,
+            expert_bytes=union_bytes(r.projected, nbytes),
+            fetch_bytes=0,
+            actual_bytes=union_bytes(r.actual, nbytes),
+            quality=ProjectionQuality.compare(r.projected, r.actual, nbytes),
+            position_fetch_bytes=positions,
+        )
+
+    # -- results --
     def records(self) -> list[RequestRecord]:
         return [
             RequestRecord(
@@ -265,47 +399,5 @@ class Simulator:
             hit_bytes=c.hit_bytes if c else 0,
             miss_bytes=c.miss_bytes if c else 0,
             exposed_fetch_s=c.exposed_fetch_s if c else 0.0,
-            model_s=self.model_s,
+            model_s=self.target.busy_s + (self.drafter.busy_s if self.drafter is not self.target else 0.0),
         )
-
-
-def simulate_closed_loop(
-    setup: SimSetup, prompt_tokens: Sequence[int], *, concurrency: int, requests_per_client: int, max_tokens: int
-) -> PointResult:
-    """`concurrency` clients, each sending `requests_per_client` requests back to back (prompt
-    i of client c is prompt (c * requests_per_client + i) mod n, as `pdflash bench` assigns them)."""
-    n = len(prompt_tokens)
-    first, follow = [], {}
-    for c in range(concurrency):
-        routes = [(c * requests_per_client + r) % n for r in range(requests_per_client)]
-        first.append((0.0, c, routes[0], prompt_tokens[routes[0]], c))
-        follow[c] = [(r, prompt_tokens[r]) for r in routes[1:]]
-    return _run(setup, first, follow, concurrency, max_tokens)
-
-
-def simulate_open_loop(
-    setup: SimSetup, prompt_tokens: Sequence[int], *, arrival_times_s: Sequence[float], max_tokens: int
-) -> PointResult:
-    """Requests arriving at the given times (a Poisson process, say), prompt i mod n each."""
-    n = len(prompt_tokens)
-    arrivals = [(t, i, i % n, prompt_tokens[i % n], None) for i, t in enumerate(arrival_times_s)]
-    return _run(setup, arrivals, {}, 0, max_tokens)
-
-
-def _run(setup: SimSetup, arrivals, follow, concurrency: int, max_tokens: int) -> PointResult:
-    sim = Simulator(setup, max_tokens)
-
-    async def body() -> None:  # scheduler tickets are anyio events: they need a running loop
-        sim.run(arrivals, follow)
-
-    anyio.run(body)
-    return summarise(
-        setup.config.name,
-        concurrency,
-        sim.records(),
-        sim.traffic(),
-        sim.now,
-        routing=setup.routing.description,
-        costs=setup.costs.description,
-        simulated=True,
-    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 
 import torch
 
@@ -188,7 +188,7 @@ class Speculator:
         share = (time.perf_counter() - started) / len(sessions)
         taps = out.split_taps()
         routes = [self._token_routes(r) for r in out.split(out.routed)]
-        position_bytes = self._position_fetch_bytes(drafts, routes)
+        position_bytes = position_fetch_bytes([d.resident for d in drafts], routes, self.expert_nbytes)
         logits = out.split(out.logits)
         choices = self._next_tokens(sessions, blocks, drafts, logits)
         return [
@@ -202,28 +202,6 @@ class Speculator:
         """[n, L_moe, K] routed ids -> each token's (layer, expert) pairs."""
         layers = self.target.config.moe_layer_ids
         return [frozenset((l, e) for l, experts in zip(layers, token) for e in experts) for token in routed.tolist()]
-
-    def _position_fetch_bytes(
-        self, drafts: list[DraftResult], routes: list[list[frozenset[ExpertKey]]]
-    ) -> list[tuple[int, ...]]:
-        """Per session, per block position k: the link bytes token k's route brought, measured (the
-        policy's byte estimate). An expert counts if it was not resident when the block was drafted
-        nor routed by the session's own tokens before k; one the batch's other sessions also routed
-        is shared: each of the n sessions that routed it is charged 1/n of its bytes, so the charges
-        of one batch add up to what the batch fetched (charging shared experts to nobody would make
-        every block look free in a large batch)."""
-        unions = [frozenset().union(*r) for r in routes]
-        sessions_using = Counter(e for union in unions for e in union)
-        out = []
-        for draft, own in zip(drafts, routes, strict=True):
-            seen: set[ExpertKey] = set()
-            positions = []
-            for route in own:
-                new = route - seen - draft.resident
-                positions.append(round(sum(self.expert_nbytes[e] / sessions_using[e] for e in new)))
-                seen |= route
-            out.append(tuple(positions))
-        return out
 
     def _next_tokens(
         self,
@@ -360,3 +338,31 @@ def _pending_draft(session: SpecSession) -> DraftResult:
     if session.pending is None:
         raise RoundOrderError("verify_round without a pending draft_round")
     return session.pending
+
+
+def position_fetch_bytes(
+    residents: Sequence[Set[ExpertKey]],
+    routes: Sequence[Sequence[frozenset[ExpertKey]]],
+    expert_nbytes: Mapping[ExpertKey, int],
+) -> list[tuple[int, ...]]:
+    """Per session of one batched verify, per block position k: the link bytes token k's route
+    brought, measured (the speculation policy's byte estimate; `pdflash simulate` charges the same).
+
+    `residents[i]`: what was resident when session i's block was drafted; `routes[i][k]`: its
+    token k's routed (layer, expert) pairs. An expert counts if it was not resident when the
+    block was drafted nor routed by the session's own tokens before k; one the batch's other
+    sessions also routed is shared: each of the n sessions that routed it is charged 1/n of
+    its bytes, so the charges of one batch add up to what the batch fetched (charging shared
+    experts to nobody would make every block look free in a large batch)."""
+    unions = [frozenset().union(*r) for r in routes]
+    sessions_using = Counter(e for union in unions for e in union)
+    out = []
+    for resident, own in zip(residents, routes, strict=True):
+        seen: set[ExpertKey] = set()
+        positions = []
+        for route in own:
+            new = route - seen - resident
+            positions.append(round(sum(expert_nbytes[e] / sessions_using[e] for e in new)))
+            seen |= route
+        out.append(tuple(positions))
+    return out

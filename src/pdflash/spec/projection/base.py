@@ -6,7 +6,7 @@ union per session. Byte figures are exact sums over the byte map, never count ×
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -26,7 +26,7 @@ def routed_union(routed: torch.Tensor, moe_layer_ids: Sequence[int]) -> frozense
     )
 
 
-def union_bytes(union: Iterable[ExpertKey], expert_nbytes: dict[ExpertKey, int]) -> int:
+def union_bytes(union: Iterable[ExpertKey], expert_nbytes: Mapping[ExpertKey, int]) -> int:
     return sum(expert_nbytes[key] for key in union)
 
 
