@@ -1,0 +1,182 @@
+"""The simulated pipeline and adaptive speculation against closed forms.
+
+Two sequences whose verifies alternate overlap one's copies with the other's compute, so wall
+= max(Σ compute, Σ link) plus the one fetch (or compute) nothing can hide; one sequence alone
+is dependent (its next round's copies wait for its verify), so wall = Σ (link + compute). The
+adaptive configurations ask the engine's own planner and policy: a link-bound sequence falls
+back to plain decoding after its first round and fetches exactly what autoregressive decoding
+does plus that round's rejected drafts; a resident one that accepts everything keeps B.
+"""
+
+import attrs
+import pytest
+
+from pdflash.bench.configs import CONFIGS
+from pdflash.bench.routing import Round
+from pdflash.bench.sim_clients import simulate_closed_loop
+from pdflash.bench.simulator import SimSetup
+
+EXPERT_BYTES, BLOCK = 1_000_000, 8
+
+
+@attrs.frozen
+class Costs:
+    """A cost model double: constant seconds per phase (the verify's experts computed in one wave)."""
+
+    draft: float = 0.0
+    verify_dense: float = 0.0
+    verify_experts: float = 0.0
+    step: float = 0.0
+    description: str = "constant"
+
+    def prefill_s(self, tokens, seqs, experts, *, offloaded):
+        return 0.0, 0.0
+
+    def draft_s(self, seqs, tokens, context, *, speculative, router):
+        return self.draft
+
+    def verify_s(self, tokens, seqs, experts, *, offloaded):
+        return self.verify_dense, self.verify_experts
+
+    def step_s(self, seqs):
+        return self.step
+
+
+@attrs.frozen
+class PositionRouting:
+    """A routing double on one MoE layer: the token at position p routes expert p of its sequence's
+    own range (never shared, never seen before); a block's drafts after the first `tau - 1` are
+    rejected and route experts no other block routes. Projection is exact."""
+
+    tau: int  # tokens a full block commits
+    description: str = "positions"
+
+    def prefill_union(self, seq, prompt_tokens):
+        return frozenset()
+
+    def round(self, seq, index, tokens, start):
+        accepted = min(tokens, self.tau)
+        base = seq * 10_000
+        positions = tuple(
+            frozenset({(0, base + start + j)}) if j < accepted else frozenset({(0, base + 5_000 + BLOCK * start + j)})
+            for j in range(tokens)
+        )
+        union = frozenset().union(*positions)
+        return Round(tokens=tokens, acceptance_length=accepted, actual=union, projected=union, positions=positions)
+
+
+@attrs.frozen
+class RoundRouting:
+    """A routing double on one MoE layer: every token of sequence s's round k routes expert (s, k)
+    (one new expert per verify, never shared); projection is exact; each round commits one token."""
+
+    description: str = "one expert per round"
+
+    def prefill_union(self, seq, prompt_tokens):
+        return frozenset()
+
+    def round(self, seq, index, tokens, start):
+        union = frozenset({(0, seq * 10_000 + index)})
+        return Round(tokens=tokens, acceptance_length=1, actual=union, projected=union, positions=(union,) * tokens)
+
+
+def _setup(config, costs, routing, *, link_bytes_per_s=1e9, budgets=None, cache_bytes=None):
+    experts = 20_000
+    byte_map = {(0, e): EXPERT_BYTES for e in range(experts)}
+    return SimSetup(
+        config=CONFIGS[config],
+        costs=costs,
+        routing=routing,
+        byte_map=byte_map,
+        moe_layers=(0,),
+        top_k=1,
+        block_size=BLOCK,
+        cache_slots=experts,  # nothing is ever evicted
+        cache_bytes=experts * EXPERT_BYTES if cache_bytes is None else cache_bytes,
+        link_bytes_per_s=link_bytes_per_s,
+        max_num_seqs=4,
+        budgets=budgets,
+    )
+
+
+# one verify charges one new expert: a byte budget of one expert per tick admits one sequence per tick
+ONE_PER_TICK = {
+    "verify_token_budget": 2 * BLOCK,
+    "verify_token_cap": 2 * BLOCK,
+    "verify_byte_budget": EXPERT_BYTES,
+    "verify_byte_cap": BLOCK * EXPERT_BYTES,
+}
+
+
+@pytest.mark.parametrize("link_s, compute_s", [(0.004, 0.010), (0.010, 0.004), (0.006, 0.006)])
+def test_alternating_verifies_hide_the_link_behind_compute(link_s, compute_s):
+    rounds, tokens = 6, 7  # tau = 1: one token per round after the prefill's
+    setup = _setup(
+        "dflash-2d",
+        Costs(verify_experts=compute_s),
+        RoundRouting(),
+        link_bytes_per_s=EXPERT_BYTES / link_s,
+        budgets=ONE_PER_TICK,
+    )
+    result = simulate_closed_loop(setup, [4, 4], concurrency=2, requests_per_client=1, max_tokens=tokens)
+    assert result.tokens == 2 * tokens and result.tau == 1.0
+    total_link, total_compute = 2 * rounds * link_s, 2 * rounds * compute_s
+    assert result.wall_s == pytest.approx(max(total_link, total_compute) + min(link_s, compute_s))
+    assert result.extra["verify_batches"] == {1: 2 * rounds}  # every verify held one sequence
+
+
+@pytest.mark.parametrize("link_s, compute_s", [(0.004, 0.010), (0.010, 0.004)])
+def test_one_sequence_waits_for_its_own_copies(link_s, compute_s):
+    rounds = 6
+    setup = _setup(
+        "dflash-2d",
+        Costs(verify_experts=compute_s),
+        RoundRouting(),
+        link_bytes_per_s=EXPERT_BYTES / link_s,
+        budgets=ONE_PER_TICK,
+    )
+    result = simulate_closed_loop(setup, [4], concurrency=1, requests_per_client=1, max_tokens=rounds + 1)
+    assert result.wall_s == pytest.approx(rounds * (link_s + compute_s))
+
+
+def test_derived_budgets_admit_nothing_the_running_batch_leaves_no_cache_for():
+    # the cache's budget holds one verify's union: while one runs, a tick may add 0 bytes, so the
+    # other sequence's copies cannot start until it ends (the working set stays in the cache)
+    link_s, compute_s, rounds = 0.004, 0.010, 6
+    costs = Costs(verify_experts=compute_s)
+    setup = _setup(
+        "dflash-derived", costs, RoundRouting(), link_bytes_per_s=EXPERT_BYTES / link_s, cache_bytes=EXPERT_BYTES
+    )
+    result = simulate_closed_loop(setup, [4, 4], concurrency=2, requests_per_client=1, max_tokens=rounds + 1)
+    assert result.extra["verify_batches"] == {1: 2 * rounds}
+    assert result.wall_s == pytest.approx(2 * rounds * (link_s + compute_s))
+
+
+LINK_BOUND = Costs(draft=0.001, verify_dense=0.001, verify_experts=0.002)  # ms of compute; 1 s per expert
+
+
+def test_a_link_bound_sequence_falls_back_to_plain_decoding():
+    tau, tokens = 3, 24
+    routing = PositionRouting(tau=tau)
+
+    def point(config):
+        setup = _setup(config, LINK_BOUND, routing, link_bytes_per_s=EXPERT_BYTES / 1.0)
+        return simulate_closed_loop(setup, [4], concurrency=1, requests_per_client=1, max_tokens=tokens)
+
+    ar, adaptive, fixed = point("ar"), point("adaptive"), point("dflash-token")
+    # the first round drafts the full block (nothing measured yet); every later one is plain decoding
+    assert adaptive.extra["block_decisions"] == {1: tokens - 1 - tau, BLOCK: 1}
+    rejected = BLOCK - tau  # the first block's rejected drafts, fetched for nothing
+    assert adaptive.bytes_per_token * tokens == (ar.bytes_per_token * tokens) + rejected * EXPERT_BYTES
+    assert fixed.extra["block_decisions"] == {BLOCK: -(-(tokens - 1) // tau)}
+    assert fixed.bytes_per_token > 2 * adaptive.bytes_per_token
+
+
+def test_a_resident_sequence_that_accepts_every_draft_keeps_the_full_block():
+    routing = PositionRouting(tau=BLOCK)
+    costs = Costs(draft=0.004, verify_dense=0.002, verify_experts=0.004)
+    setup = _setup("resident-adaptive", costs, routing)
+    result = simulate_closed_loop(setup, [4], concurrency=1, requests_per_client=1, max_tokens=1 + 6 * BLOCK)
+    assert result.extra["block_decisions"] == {BLOCK: 6}
+    assert result.tau == BLOCK
+    assert result.bytes_per_token == 0
