@@ -13,7 +13,7 @@ import pytest
 
 from pdflash.bench.configs import CONFIGS
 from pdflash.bench.routing import Round
-from pdflash.bench.sim_clients import simulate_closed_loop
+from pdflash.bench.sim_clients import simulate_closed_loop, simulate_open_loop
 from pdflash.bench.simulator import SimSetup
 
 EXPERT_BYTES, BLOCK = 1_000_000, 8
@@ -23,6 +23,7 @@ EXPERT_BYTES, BLOCK = 1_000_000, 8
 class Costs:
     """A cost model double: constant seconds per phase (the verify's experts computed in one wave)."""
 
+    prefill: float = 0.0
     draft: float = 0.0
     verify_dense: float = 0.0
     verify_experts: float = 0.0
@@ -30,7 +31,7 @@ class Costs:
     description: str = "constant"
 
     def prefill_s(self, tokens, seqs, experts, *, offloaded):
-        return 0.0, 0.0
+        return self.prefill, 0.0
 
     def draft_s(self, seqs, tokens, context, *, speculative, router):
         return self.draft
@@ -139,17 +140,29 @@ def test_one_sequence_waits_for_its_own_copies(link_s, compute_s):
     assert result.wall_s == pytest.approx(rounds * (link_s + compute_s))
 
 
-def test_derived_budgets_admit_nothing_the_running_batch_leaves_no_cache_for():
-    # the cache's budget holds one verify's union: while one runs, a tick may add 0 bytes, so the
-    # other sequence's copies cannot start until it ends (the working set stays in the cache)
+def test_derived_budgets_bound_no_bytes():
+    # with a cache budget of one verify's union, both sequences' rounds still go as one batch
     link_s, compute_s, rounds = 0.004, 0.010, 6
     costs = Costs(verify_experts=compute_s)
     setup = _setup(
         "dflash-derived", costs, RoundRouting(), link_bytes_per_s=EXPERT_BYTES / link_s, cache_bytes=EXPERT_BYTES
     )
     result = simulate_closed_loop(setup, [4, 4], concurrency=2, requests_per_client=1, max_tokens=rounds + 1)
-    assert result.extra["verify_batches"] == {1: 2 * rounds}
-    assert result.wall_s == pytest.approx(2 * rounds * (link_s + compute_s))
+    assert result.extra["verify_batches"] == {2: rounds}
+    # each round copies both experts (2 x link) and computes them in waves as they land: the
+    # last expert's half of the compute after the last copy
+    assert result.wall_s == pytest.approx(rounds * max(compute_s, 2 * link_s + compute_s / 2))
+
+
+@pytest.mark.parametrize("config, merged", [("dflash-derived", True), ("resident", False)])
+def test_with_a_link_a_launch_gathers_the_sequences_still_drafting(config, merged):
+    # B arrives while A verifies, so B's prefill and first draft trail A's: without a link the
+    # two alternate for good (B3); with one, A's next launch waits while the link still copies
+    # B's union and B drafts, and the two merge into one batch
+    costs = Costs(prefill=0.003, draft=0.002, verify_dense=0.001, verify_experts=0.004)
+    setup = _setup(config, costs, RoundRouting(), link_bytes_per_s=EXPERT_BYTES / 0.020)
+    result = simulate_open_loop(setup, [4, 4], arrival_times_s=[0.0, 0.001], max_tokens=8)
+    assert (max(result.extra["verify_batches"]) == 2) is merged
 
 
 LINK_BOUND = Costs(draft=0.001, verify_dense=0.001, verify_experts=0.002)  # ms of compute; 1 s per expert

@@ -129,7 +129,7 @@ class Simulator:
             mode, self.block, setup.byte_map, setup.top_k, setup.cache_bytes if cfg.offloaded else 0
         )
         self.derived = (
-            DerivedBudgets(cache_bytes=setup.cache_bytes, token_budget=self.scheduler.budget.tokens)
+            DerivedBudgets(token_budget=self.scheduler.budget.tokens, expert_bytes_total=sum(setup.byte_map.values()))
             if mode == "derived"
             else None
         )
@@ -158,6 +158,8 @@ class Simulator:
         self._running_union: frozenset[ExpertKey] = frozenset()
         self._next: list[SimRequest] = []  # admitted by a tick during the running batch, prefetching
         self._ticked = False
+        self._held: list[SimRequest] | None = None  # a serve pass's batch while it gathers
+        self._waited = False  # that pass waited for drafting sequences
         self.verify_batches: dict[int, int] = {}  # sequences per batched verify -> batches
         self.ticks_in_flight = 0
 
@@ -181,6 +183,7 @@ class Simulator:
         del self.seated[q.rid]
         self.on_finish(q)
         self._seat()
+        self._changed()  # one fewer sequence a gathering launch may wait for
 
     # -- forwards (lane jobs) --
     def _forward(self, unions: Sequence[frozenset[ExpertKey]], dense_s: float, expert_s: float) -> Job:
@@ -287,17 +290,32 @@ class Simulator:
 
     # -- the pacer --
     def _changed(self) -> None:
-        """A demand registered: launch if the target lane has no batch, else tick once for the next."""
+        """A demand registered or a sequence left: serve if the target lane has no batch, else
+        tick once for the next batch (once no sequence still drafts toward the tick)."""
         if self._running is None:
             self._serve()
-        elif self.s.pipelined and not self._ticked and self.scheduler.pending_count():
-            self._next, self._ticked = self._tick(self._running_union), True
+        else:
+            self._tick_during(self._running)
 
     def _serve(self) -> None:
+        """VerifyPacer.serve, one pass: launch the admitted batch, or tick for one, once gathered."""
         if not self.s.pipelined and any(q.ticket is None for q in self.seated.values()):
             return  # lock-step: a step's tick follows its prefills and every sequence's draft
-        batch = [q for q in self._next if q.pending is not None]
-        self._next = []
+        if self._held is None:  # a new pass: take what the last tick admitted
+            self._held, self._waited = [q for q in self._next if q.pending is not None], False
+            self._next = []
+        batch = self._held
+        if not batch and not (self.scheduler.pending_count() or self.scheduler.admitted_ids()):
+            self._held = None  # nothing to launch: the next registration serves again
+            return
+        wait_s = self._gather_s(batch)
+        if wait_s > 0:  # sequences still drafting would share this batch's experts: wait for them
+            self._waited = True
+            self.clock.at(self.now + wait_s, self._serve_if_idle)
+            return
+        self._held = None
+        if batch and self._waited:
+            batch = batch + self._tick(frozenset())  # latecomers join the gathered batch
         for _ in range(STALLED_TICKS):
             if batch or not (self.scheduler.pending_count() or self.scheduler.admitted_ids()):
                 break
@@ -307,6 +325,39 @@ class Simulator:
         if batch:
             self._launch(batch)
 
+    def _serve_if_idle(self) -> None:
+        if self._running is None:
+            self._serve()
+
+    def _gather_s(self, batch: list[SimRequest]) -> float:
+        """VerifyPacer._gather_s: how long a launch may still wait for sequences drafting (0: go).
+
+        With a link, while other sequences draft toward a demand: as long as the link is busy
+        with `batch`'s copies, or until their drafts are due (the drafter's measured seconds per
+        sequence); never without one (resident), nor in the lock-step engine."""
+        if self.cache is None or not self.s.pipelined:
+            return 0.0
+        coming = sum(1 for q in self.seated.values() if q.acceptance is not None and q.ticket is None)
+        if not coming:
+            return 0.0
+        waiting = batch + [q for q in self.seated.values() if q.ticket is not None and not q.ticket.admitted]
+        if not waiting:
+            return 0.0
+        prefetching = frozenset().union(*(_round(q).projected for q in batch))
+        copying_s = union_bytes(prefetching - self.cache.resident(), self.s.byte_map) / self.s.link_bytes_per_s
+        drafts_due = max(q.drafted_at for q in waiting) + coming * self.planner.draft_s
+        return max(0.0, copying_s, drafts_due - self.now)
+
+    def _tick_during(self, batch: list[SimRequest]) -> None:
+        """While `batch` runs: one tick for the next batch, as soon as demands wait and it is gathered."""
+        if self._running is not batch or not self.s.pipelined or self._ticked or not self.scheduler.pending_count():
+            return
+        wait_s = self._gather_s([])
+        if wait_s > 0:
+            self.clock.at(self.now + wait_s, lambda: self._tick_during(batch))
+            return
+        self._next, self._ticked = self._tick(self._running_union), True
+
     def _launch(self, batch: list[SimRequest]) -> None:
         self._running, self._ticked = batch, False
         self.verify_batches[len(batch)] = self.verify_batches.get(len(batch), 0) + 1
@@ -314,13 +365,12 @@ class Simulator:
         launched = self.now
         exposed = self.cache.counters.exposed_fetch_s if self.cache is not None else 0.0
         self.target.submit(lambda: self._verify_job(batch), lambda _: self._verified(batch, launched, exposed))
-        if self.s.pipelined and self.scheduler.pending_count():
-            self._next, self._ticked = self._tick(self._running_union), True
+        self._tick_during(batch)
 
     def _tick(self, in_flight: frozenset[ExpertKey]) -> list[SimRequest]:
         self.ticks_in_flight += bool(in_flight)
         resident = self.cache.resident() if self.cache is not None else frozenset()
-        budget = self.derived.per_tick(union_bytes(in_flight, self.s.byte_map)) if self.derived is not None else None
+        budget = self.derived.per_tick() if self.derived is not None else None
         self.scheduler.tick(resident, in_flight, budget=budget)
         admitted = [self.seated[cast(int, i)] for i in self.scheduler.admitted_ids()]
         for q in admitted:
@@ -358,10 +408,6 @@ class Simulator:
         # the pacer launches its next batch after the sequences' follow-up rounds were submitted
         # (measured on the engine: a plain round of batch N reaches the target lane before N+1's verify)
         self.clock.at(self.now, self._serve_if_idle)
-
-    def _serve_if_idle(self) -> None:
-        if self._running is None:
-            self._serve()
 
     def _trace(self, r: Round, positions: tuple[int, ...]) -> RoundTrace:
         nbytes = self.s.byte_map

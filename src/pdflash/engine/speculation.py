@@ -66,6 +66,11 @@ class SpeculationPlanner:
     def adaptive(self) -> bool:
         return self.mode == "adaptive" and self.max_block > 1
 
+    @property
+    def draft_s(self) -> float:
+        """Drafter seconds per drafted sequence, as measured (0 before any draft)."""
+        return self._draft_s or 0.0
+
     def track(self) -> SequenceAcceptance:
         return self.acceptance.for_sequence()
 
