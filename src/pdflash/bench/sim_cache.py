@@ -34,6 +34,7 @@ class _Entry:
     ready_at: float = math.inf  # virtual time its copy lands (inf: not started)
     pins: int = 0
     prefetched: bool = False  # brought in by a prefetch, not yet used
+    seq: int = 0  # insertion order into the table (the real table's iteration order: its ties)
 
 
 @attrs.define(eq=False)
@@ -70,6 +71,9 @@ class SimCache:
         # Every shipped policy scores (layer, expert) from that layer's routing history only, so a
         # score changes only when its layer is observed (or the key forgotten): cache per layer.
         self._scores: dict[int, dict[ExpertKey, tuple]] = {}
+        self._by_layer: dict[int, dict[ExpertKey, _Entry]] = {}
+        self._layer_order: dict[int, list[tuple[tuple, int, _Entry]]] = {}  # layer -> its entries by (score, seq)
+        self._inserted = itertools.count()
 
     def resident(self) -> frozenset[ExpertKey]:
         """Resident or being copied (queued prefetches excluded), like OffloadedExperts.resident()."""
@@ -106,6 +110,7 @@ class SimCache:
         experts = sorted(set(experts))
         self.policy.observe(layer, experts)
         self._scores.pop(layer, None)
+        self._layer_order.pop(layer, None)
         self._lane_victims = None
         if self.claims_per_layer:
             for key in [k for k in self.claims if k[0] == layer]:
@@ -131,8 +136,7 @@ class SimCache:
             for victim in victims[: len(missing) - self._free()]:
                 self._evict(victim)
             for key in missing:
-                entry = _Entry(key, self.byte_map[key], pins=1)
-                self.table[key] = entry
+                entry = self._add(_Entry(key, self.byte_map[key], pins=1))
                 self.counters.miss_bytes += entry.nbytes
                 self._push(Priority.ON_DEMAND, _Job(key, now, entry))
                 held.append(entry)
@@ -156,12 +160,34 @@ class SimCache:
         if n <= 0:
             return []
         claims = self.claims
-        candidates = [
-            e
-            for e in self.table.values()
-            if e.ready_at <= now and e.pins == 0 and (allow_claimed or e.key not in claims)
-        ]
-        return heapq.nsmallest(n, candidates, key=lambda e: (e.key in claims, self._score(e.key)))
+        chosen: list[_Entry] = []
+        claimed: list[_Entry] = []  # the last resort, in the same order
+        for _, _, e in heapq.merge(*(self._ordered(layer) for layer in self._by_layer)):
+            if e.ready_at > now or e.pins:
+                continue
+            if e.key in claims:
+                if allow_claimed and len(claimed) < n:
+                    claimed.append(e)
+                continue
+            chosen.append(e)
+            if len(chosen) == n:
+                return chosen
+        return chosen + claimed[: n - len(chosen)]
+
+    def _ordered(self, layer: int) -> list[tuple[tuple, int, _Entry]]:
+        """The layer's entries by (score, insertion): kept until the layer is observed or changes."""
+        order = self._layer_order.get(layer)
+        if order is None:
+            entries = self._by_layer[layer].values()
+            order = self._layer_order[layer] = sorted((self._score(e.key), e.seq, e) for e in entries)
+        return order
+
+    def _add(self, entry: _Entry) -> _Entry:
+        entry.seq = next(self._inserted)
+        self.table[entry.key] = entry
+        self._by_layer.setdefault(entry.key[0], {})[entry.key] = entry
+        self._layer_order.pop(entry.key[0], None)
+        return entry
 
     def _score(self, key: ExpertKey) -> tuple:
         layer = self._scores.setdefault(key[0], {})
@@ -171,6 +197,8 @@ class SimCache:
 
     def _evict(self, entry: _Entry) -> None:
         del self.table[entry.key]
+        del self._by_layer[entry.key[0]][entry.key]
+        self._layer_order.pop(entry.key[0], None)
         self.policy.forget(entry.key)
         self._scores.get(entry.key[0], {}).pop(entry.key, None)
         self.counters.evictions += 1
@@ -206,8 +234,7 @@ class SimCache:
                 if not self._prefetch_slot(start):
                     self.counters.prefetch_dropped += 1
                     continue
-                entry = _Entry(job.key, self.byte_map[job.key], prefetched=True)
-                self.table[job.key] = entry
+                entry = self._add(_Entry(job.key, self.byte_map[job.key], prefetched=True))
                 self.counters.prefetch_bytes += entry.nbytes
             entry.ready_at = self._link_free_at = start + entry.nbytes / self.rate
             self.counters.expert_bytes_fetched += entry.nbytes

@@ -85,6 +85,6 @@ def _run(
         costs=setup.costs.description,
         simulated=True,
         block_decisions=dict(sorted(sim.planner.decisions.items())),
-        verify_batches=dict(sorted(sim.verify_batches.items())),
-        in_flight_tick_share=sim.ticks_in_flight / max(1, sim.scheduler.stats().ticks),
+        verify_batches=dict(sorted(sim.pacer.verify_batches.items())),
+        in_flight_tick_share=sim.pacer.ticks_in_flight / max(1, sim.scheduler.stats().ticks),
     )

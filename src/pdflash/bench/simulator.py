@@ -1,22 +1,22 @@
 """`pdflash simulate`: the pipelined engine as a discrete-event run on a virtual clock.
 
-Owns the simulated engine: one flow per sequence (prefill, then plan -> draft -> register ->
-admission -> verify -> stream, as AsyncEngine._serve), the lanes it runs on (target: prefill,
-plain-decoding rounds, verifies; drafter: drafted blocks; the cache's copy engine: every
-expert copy) and the pacer (one tick when the target lane is about to launch a batch and at
-most once while a batch runs, as pdflash.engine.pacer.VerifyPacer), so batch N+1's copies
-run during batch N's compute and wall time is what that schedule gives. The engine's own
-pieces decide: the REAL VerifyScheduler built by EngineConfig.verify_scheduler, the derived
-budgets (DerivedBudgets), the offer order, the SpeculationPlanner with the speculation policy
-and acceptance estimates, and the eviction policies (in SimCache). Only forwards (a CostModel),
-the link (bytes / rate) and routing (a RoutingSource) are modelled. Clients and per-request
-records are pdflash.bench.sim_clients'. Must not touch engines or tensors.
+Owns the simulated engine's sequences and lanes: one flow per sequence (prefill, then plan ->
+draft -> register -> admission -> verify -> stream, as AsyncEngine._serve), the lanes it runs
+on (target: prefill, plain-decoding rounds, verifies; drafter: drafted blocks; the cache's
+copy engine: every expert copy), seats, and the layer-by-layer forward that waits for its
+experts. When ticks run and what a verify launch holds is pdflash.bench.sim_pacer's (as
+pdflash.engine.pacer.VerifyPacer), so batch N+1's copies run during batch N's compute and
+wall time is what that schedule gives. The engine's own pieces decide: the REAL
+VerifyScheduler built by EngineConfig.verify_scheduler, DerivedBudgets, the offer order, the
+SpeculationPlanner with the speculation policy and acceptance estimates, and the eviction
+policies (in SimCache). Only forwards (a CostModel), the link (bytes / rate) and routing (a
+RoutingSource) are modelled; clients and the point's result are pdflash.bench.sim_clients'.
+Must not touch engines or tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import cast
 
 import attrs
 
@@ -26,18 +26,15 @@ from pdflash.bench.metrics import RequestRecord, Traffic
 from pdflash.bench.routing import Round, RoutingSource
 from pdflash.bench.sim_cache import SimCache, SimulationError
 from pdflash.bench.sim_events import Clock, Job, SimBatchLane, SimLane
+from pdflash.bench.sim_pacer import SimPacer
 from pdflash.engine.config import EngineConfig
 from pdflash.engine.pacer import DerivedBudgets
 from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.engine.ticket import Ticket
 from pdflash.spec.acceptance import SequenceAcceptance
 from pdflash.spec.policy import expected_committed
-from pdflash.spec.projection import ProjectionQuality, union_bytes
-from pdflash.spec.session import RoundTrace
-from pdflash.spec.speculator import position_fetch_bytes
+from pdflash.spec.projection import union_bytes
 from pdflash.target.experts import ExpertKey
-
-STALLED_TICKS = 64  # ticks in a row that admit nothing with nothing running: a configuration that cannot run
 
 
 @attrs.frozen(kw_only=True)
@@ -87,11 +84,6 @@ class SimRequest:
     lengths: list[int] = attrs.Factory(list)
     wait_s: float = 0.0
     coverage: list[float] = attrs.Factory(list)
-
-
-def _round(q: SimRequest) -> Round:
-    assert q.pending is not None, f"request {q.rid} has no drafted round"
-    return q.pending
 
 
 def _scheduler_config(cfg: BenchConfig, max_num_seqs: int, budgets: dict | None) -> EngineConfig:
@@ -154,14 +146,7 @@ class Simulator:
         self.seated: dict[int, SimRequest] = {}  # by request id: prefilling or in rounds
         self.done: list[SimRequest] = []
         self.on_finish = lambda q: None  # the clients' hook: a finished request may send the next
-        self._running: list[SimRequest] | None = None  # the batch on the target lane (or queued for it)
-        self._running_union: frozenset[ExpertKey] = frozenset()
-        self._next: list[SimRequest] = []  # admitted by a tick during the running batch, prefetching
-        self._ticked = False
-        self._held: list[SimRequest] | None = None  # a serve pass's batch while it gathers
-        self._waited = False  # that pass waited for drafting sequences
-        self.verify_batches: dict[int, int] = {}  # sequences per batched verify -> batches
-        self.ticks_in_flight = 0
+        self.pacer = SimPacer(self)
 
     @property
     def now(self) -> float:
@@ -183,10 +168,10 @@ class Simulator:
         del self.seated[q.rid]
         self.on_finish(q)
         self._seat()
-        self._changed()  # one fewer sequence a gathering launch may wait for
+        self.pacer.changed()  # one fewer sequence a gathering launch may wait for
 
     # -- forwards (lane jobs) --
-    def _forward(self, unions: Sequence[frozenset[ExpertKey]], dense_s: float, expert_s: float) -> Job:
+    def forward(self, unions: Sequence[frozenset[ExpertKey]], dense_s: float, expert_s: float) -> Job:
         """A target forward layer by layer: attention and routing, then the MoE block, which asks
         for its missing experts and computes in waves as they land (the last wave after the last
         copy), as OffloadedExperts.waves serves a forward."""
@@ -211,7 +196,7 @@ class Simulator:
         tokens = sum(q.prompt_tokens for q in batch)
         unions = [self.s.routing.prefill_union(q.route, q.prompt_tokens) for q in batch]
         experts = len(frozenset().union(*unions))
-        yield from self._forward(unions, *self.s.costs.prefill_s(tokens, len(batch), experts, offloaded=self._offl))
+        yield from self.forward(unions, *self.s.costs.prefill_s(tokens, len(batch), experts, offloaded=self.offloaded))
 
     def _draft_job(self, batch: list[SimRequest]) -> Job:
         """The drafter lane: drafter forward and route projection of blocks of 2 or more."""
@@ -229,7 +214,7 @@ class Simulator:
         return [1] * len(batch)
 
     @property
-    def _offl(self) -> bool:
+    def offloaded(self) -> bool:
         return self.cache is not None
 
     # -- one sequence's flow --
@@ -262,9 +247,9 @@ class Simulator:
             fetch = union_bytes(r.projected - resident, self.s.byte_map)
             q.ticket = self.scheduler.register(q.rid, size, r.projected, full, fetch, expected)
             q.drafted_at = self.now
-        self._changed()
+        self.pacer.changed()
 
-    def _stream(self, q: SimRequest, r: Round) -> None:
+    def stream(self, q: SimRequest, r: Round) -> None:
         accepted = min(r.acceptance_length, q.max_tokens - q.emitted)
         assert q.acceptance is not None
         q.acceptance.observe(r.tokens, r.acceptance_length - 1)
@@ -287,140 +272,6 @@ class Simulator:
         q.emitted += tokens
         q.times.append(self.now)
         q.tokens.append(tokens)
-
-    # -- the pacer --
-    def _changed(self) -> None:
-        """A demand registered or a sequence left: serve if the target lane has no batch, else
-        tick once for the next batch (once no sequence still drafts toward the tick)."""
-        if self._running is None:
-            self._serve()
-        else:
-            self._tick_during(self._running)
-
-    def _serve(self) -> None:
-        """VerifyPacer.serve, one pass: launch the admitted batch, or tick for one, once gathered."""
-        if not self.s.pipelined and any(q.ticket is None for q in self.seated.values()):
-            return  # lock-step: a step's tick follows its prefills and every sequence's draft
-        if self._held is None:  # a new pass: take what the last tick admitted
-            self._held, self._waited = [q for q in self._next if q.pending is not None], False
-            self._next = []
-        batch = self._held
-        if not batch and not (self.scheduler.pending_count() or self.scheduler.admitted_ids()):
-            self._held = None  # nothing to launch: the next registration serves again
-            return
-        wait_s = self._gather_s(batch)
-        if wait_s > 0:  # sequences still drafting would share this batch's experts: wait for them
-            self._waited = True
-            self.clock.at(self.now + wait_s, self._serve_if_idle)
-            return
-        self._held = None
-        if batch and self._waited:
-            batch = batch + self._tick(frozenset())  # latecomers join the gathered batch
-        for _ in range(STALLED_TICKS):
-            if batch or not (self.scheduler.pending_count() or self.scheduler.admitted_ids()):
-                break
-            batch = self._tick(frozenset())  # nothing fits yet: the carried quantum grows each tick
-        else:
-            raise SimulationError(f"{STALLED_TICKS} ticks admitted nothing with nothing running ({self.s.config.name})")
-        if batch:
-            self._launch(batch)
-
-    def _serve_if_idle(self) -> None:
-        if self._running is None:
-            self._serve()
-
-    def _gather_s(self, batch: list[SimRequest]) -> float:
-        """VerifyPacer._gather_s: how long a launch may still wait for sequences drafting (0: go).
-
-        With a link, while other sequences draft toward a demand: as long as the link is busy
-        with `batch`'s copies, or until their drafts are due (the drafter's measured seconds per
-        sequence); never without one (resident), nor in the lock-step engine."""
-        if self.cache is None or not self.s.pipelined:
-            return 0.0
-        coming = sum(1 for q in self.seated.values() if q.acceptance is not None and q.ticket is None)
-        if not coming:
-            return 0.0
-        waiting = batch + [q for q in self.seated.values() if q.ticket is not None and not q.ticket.admitted]
-        if not waiting:
-            return 0.0
-        prefetching = frozenset().union(*(_round(q).projected for q in batch))
-        copying_s = union_bytes(prefetching - self.cache.resident(), self.s.byte_map) / self.s.link_bytes_per_s
-        drafts_due = max(q.drafted_at for q in waiting) + coming * self.planner.draft_s
-        return max(0.0, copying_s, drafts_due - self.now)
-
-    def _tick_during(self, batch: list[SimRequest]) -> None:
-        """While `batch` runs: one tick for the next batch, as soon as demands wait and it is gathered."""
-        if self._running is not batch or not self.s.pipelined or self._ticked or not self.scheduler.pending_count():
-            return
-        wait_s = self._gather_s([])
-        if wait_s > 0:
-            self.clock.at(self.now + wait_s, lambda: self._tick_during(batch))
-            return
-        self._next, self._ticked = self._tick(self._running_union), True
-
-    def _launch(self, batch: list[SimRequest]) -> None:
-        self._running, self._ticked = batch, False
-        self.verify_batches[len(batch)] = self.verify_batches.get(len(batch), 0) + 1
-        self._running_union = frozenset().union(*(_round(q).projected for q in batch))
-        launched = self.now
-        exposed = self.cache.counters.exposed_fetch_s if self.cache is not None else 0.0
-        self.target.submit(lambda: self._verify_job(batch), lambda _: self._verified(batch, launched, exposed))
-        self._tick_during(batch)
-
-    def _tick(self, in_flight: frozenset[ExpertKey]) -> list[SimRequest]:
-        self.ticks_in_flight += bool(in_flight)
-        resident = self.cache.resident() if self.cache is not None else frozenset()
-        budget = self.derived.per_tick() if self.derived is not None else None
-        self.scheduler.tick(resident, in_flight, budget=budget)
-        admitted = [self.seated[cast(int, i)] for i in self.scheduler.admitted_ids()]
-        for q in admitted:
-            self.scheduler.mark_in_flight(q.rid)
-            q.wait_s += self.now - q.drafted_at
-            if self.cache is not None:
-                q.claim = self.cache.prefetch(_round(q).projected, self.now)
-        return admitted
-
-    def _verify_job(self, batch: list[SimRequest]) -> Job:
-        yield self.now + self.s.costs.step_s(len(self.seated))  # the engine's bookkeeping per launch
-        rounds = [_round(q) for q in batch]
-        unions = [r.actual for r in rounds]
-        experts = len(frozenset().union(*unions))
-        tokens = sum(r.tokens for r in rounds)
-        yield from self._forward(unions, *self.s.costs.verify_s(tokens, len(batch), experts, offloaded=self._offl))
-
-    def _verified(self, batch: list[SimRequest], launched: float, exposed: float) -> None:
-        """As VerifyPacer._verify: finish the demands, teach the planner, then each sequence streams."""
-        waited = (self.cache.counters.exposed_fetch_s if self.cache is not None else 0.0) - exposed
-        rounds = [_round(q) for q in batch]
-        known = all(r.positions for r in rounds)
-        positions = (
-            position_fetch_bytes([q.resident for q in batch], [r.positions for r in rounds], self.s.byte_map)
-            if known
-            else [()] * len(batch)
-        )
-        traces = [self._trace(r, p) for r, p in zip(rounds, positions, strict=True)]
-        for q in batch:
-            self.scheduler.finish(q.rid)
-        self.planner.observe_verify(traces, max(0.0, self.now - launched - waited))
-        self._running = None
-        for q, r in zip(batch, rounds, strict=True):
-            self._stream(q, r)
-        # the pacer launches its next batch after the sequences' follow-up rounds were submitted
-        # (measured on the engine: a plain round of batch N reaches the target lane before N+1's verify)
-        self.clock.at(self.now, self._serve_if_idle)
-
-    def _trace(self, r: Round, positions: tuple[int, ...]) -> RoundTrace:
-        nbytes = self.s.byte_map
-        return RoundTrace(
-            start=0,
-            tokens=r.tokens,
-            acceptance_length=r.acceptance_length,
-            expert_bytes=union_bytes(r.projected, nbytes),
-            fetch_bytes=0,
-            actual_bytes=union_bytes(r.actual, nbytes),
-            quality=ProjectionQuality.compare(r.projected, r.actual, nbytes),
-            position_fetch_bytes=positions,
-        )
 
     # -- results --
     def records(self) -> list[RequestRecord]:

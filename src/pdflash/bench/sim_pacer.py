@@ -1,0 +1,189 @@
+"""The simulated pacer: when ticks run, what a launch gathers, the batched verify and what it teaches.
+
+Owns, for pdflash.bench.simulator, what pdflash.engine.pacer.VerifyPacer does in the engine:
+a tick when the target lane is about to launch a batch and at most once while a batch runs
+(charged against its in-flight union), with a link the wait for sequences still drafting
+(`_gather_s`, as VerifyPacer._gather_s), the route-ahead prefetch (one claim per admitted
+sequence), each admitted set as ONE verify on the target lane, and after it the scheduler's
+finish, the planner's observations and each sequence's next round. Must not model lanes,
+caches or sequences' flows: the Simulator does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+from pdflash.bench.routing import Round
+from pdflash.bench.sim_cache import SimulationError
+from pdflash.bench.sim_events import Job
+from pdflash.spec.projection import ProjectionQuality, union_bytes
+from pdflash.spec.session import RoundTrace
+from pdflash.spec.speculator import position_fetch_bytes
+from pdflash.target.experts import ExpertKey
+
+if TYPE_CHECKING:
+    from pdflash.bench.simulator import SimRequest, Simulator
+
+STALLED_TICKS = 64  # ticks in a row that admit nothing with nothing running: a configuration that cannot run
+
+
+def round_of(q: SimRequest) -> Round:
+    assert q.pending is not None, f"request {q.rid} has no drafted round"
+    return q.pending
+
+
+class SimPacer:
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self._running: list[SimRequest] | None = None  # the batch on the target lane (or queued for it)
+        self._running_union: frozenset[ExpertKey] = frozenset()
+        self._next: list[SimRequest] = []  # admitted by a tick during the running batch, prefetching
+        self._ticked = False
+        self._held: list[SimRequest] | None = None  # a serve pass's batch while it gathers
+        self._waited = False  # that pass waited for drafting sequences
+        self.verify_batches: dict[int, int] = {}  # sequences per batched verify -> batches
+        self.ticks_in_flight = 0
+
+    def changed(self) -> None:
+        """A demand registered or a sequence left: serve if the target lane has no batch, else
+        tick once for the next batch (once no sequence still drafts toward the tick)."""
+        if self._running is None:
+            self._serve()
+        else:
+            self._tick_during(self._running)
+
+    def _serve(self) -> None:
+        """VerifyPacer.serve, one pass: launch the admitted batch, or tick for one, once gathered."""
+        if not self.sim.s.pipelined and any(q.ticket is None for q in self.sim.seated.values()):
+            return  # lock-step: a step's tick follows its prefills and every sequence's draft
+        if self._held is None:  # a new pass: take what the last tick admitted
+            self._held, self._waited = [q for q in self._next if q.pending is not None], False
+            self._next = []
+        batch = self._held
+        if not batch and not (self.sim.scheduler.pending_count() or self.sim.scheduler.admitted_ids()):
+            self._held = None  # nothing to launch: the next registration serves again
+            return
+        wait_s = self._gather_s(batch)
+        if wait_s > 0:  # sequences still drafting would share this batch's experts: wait for them
+            self._waited = True
+            self.sim.clock.at(self.sim.now + wait_s, self._serve_if_idle)
+            return
+        self._held = None
+        if batch and self._waited:
+            batch = batch + self._tick(frozenset())  # latecomers join the gathered batch
+        for _ in range(STALLED_TICKS):
+            if batch or not (self.sim.scheduler.pending_count() or self.sim.scheduler.admitted_ids()):
+                break
+            batch = self._tick(frozenset())  # nothing fits yet: the carried quantum grows each tick
+        else:
+            raise SimulationError(
+                f"{STALLED_TICKS} ticks admitted nothing with nothing running ({self.sim.s.config.name})"
+            )
+        if batch:
+            self._launch(batch)
+
+    def _serve_if_idle(self) -> None:
+        if self._running is None:
+            self._serve()
+
+    def _gather_s(self, batch: list[SimRequest]) -> float:
+        """VerifyPacer._gather_s: how long a launch may still wait for sequences drafting (0: go).
+
+        With a link, while other sequences draft toward a demand: as long as the link is busy
+        with `batch`'s copies, or until their drafts are due (the drafter's measured seconds per
+        sequence); never without one (resident), nor in the lock-step engine."""
+        if self.sim.cache is None or not self.sim.s.pipelined:
+            return 0.0
+        coming = sum(1 for q in self.sim.seated.values() if q.acceptance is not None and q.ticket is None)
+        if not coming:
+            return 0.0
+        waiting = batch + [q for q in self.sim.seated.values() if q.ticket is not None and not q.ticket.admitted]
+        if not waiting:
+            return 0.0
+        prefetching = frozenset().union(*(round_of(q).projected for q in batch))
+        copying_s = (
+            union_bytes(prefetching - self.sim.cache.resident(), self.sim.s.byte_map) / self.sim.s.link_bytes_per_s
+        )
+        drafts_due = max(q.drafted_at for q in waiting) + coming * self.sim.planner.draft_s
+        return max(0.0, copying_s, drafts_due - self.sim.now)
+
+    def _tick_during(self, batch: list[SimRequest]) -> None:
+        """While `batch` runs: one tick for the next batch, as soon as demands wait and it is gathered."""
+        if (
+            self._running is not batch
+            or not self.sim.s.pipelined
+            or self._ticked
+            or not self.sim.scheduler.pending_count()
+        ):
+            return
+        wait_s = self._gather_s([])
+        if wait_s > 0:
+            self.sim.clock.at(self.sim.now + wait_s, lambda: self._tick_during(batch))
+            return
+        self._next, self._ticked = self._tick(self._running_union), True
+
+    def _launch(self, batch: list[SimRequest]) -> None:
+        self._running, self._ticked = batch, False
+        self.verify_batches[len(batch)] = self.verify_batches.get(len(batch), 0) + 1
+        self._running_union = frozenset().union(*(round_of(q).projected for q in batch))
+        launched = self.sim.now
+        exposed = self.sim.cache.counters.exposed_fetch_s if self.sim.cache is not None else 0.0
+        self.sim.target.submit(lambda: self._verify_job(batch), lambda _: self._verified(batch, launched, exposed))
+        self._tick_during(batch)
+
+    def _tick(self, in_flight: frozenset[ExpertKey]) -> list[SimRequest]:
+        self.ticks_in_flight += bool(in_flight)
+        resident = self.sim.cache.resident() if self.sim.cache is not None else frozenset()
+        budget = self.sim.derived.per_tick() if self.sim.derived is not None else None
+        self.sim.scheduler.tick(resident, in_flight, budget=budget)
+        admitted = [self.sim.seated[cast(int, i)] for i in self.sim.scheduler.admitted_ids()]
+        for q in admitted:
+            self.sim.scheduler.mark_in_flight(q.rid)
+            q.wait_s += self.sim.now - q.drafted_at
+            if self.sim.cache is not None:
+                q.claim = self.sim.cache.prefetch(round_of(q).projected, self.sim.now)
+        return admitted
+
+    def _verify_job(self, batch: list[SimRequest]) -> Job:
+        yield self.sim.now + self.sim.s.costs.step_s(len(self.sim.seated))  # the engine's bookkeeping per launch
+        rounds = [round_of(q) for q in batch]
+        unions = [r.actual for r in rounds]
+        experts = len(frozenset().union(*unions))
+        tokens = sum(r.tokens for r in rounds)
+        yield from self.sim.forward(
+            unions, *self.sim.s.costs.verify_s(tokens, len(batch), experts, offloaded=self.sim.offloaded)
+        )
+
+    def _verified(self, batch: list[SimRequest], launched: float, exposed: float) -> None:
+        """As VerifyPacer._verify: finish the demands, teach the planner, then each sequence streams."""
+        waited = (self.sim.cache.counters.exposed_fetch_s if self.sim.cache is not None else 0.0) - exposed
+        rounds = [round_of(q) for q in batch]
+        known = all(r.positions for r in rounds)
+        positions = (
+            position_fetch_bytes([q.resident for q in batch], [r.positions for r in rounds], self.sim.s.byte_map)
+            if known
+            else [()] * len(batch)
+        )
+        traces = [self._trace(r, p) for r, p in zip(rounds, positions, strict=True)]
+        for q in batch:
+            self.sim.scheduler.finish(q.rid)
+        self.sim.planner.observe_verify(traces, max(0.0, self.sim.now - launched - waited))
+        self._running = None
+        for q, r in zip(batch, rounds, strict=True):
+            self.sim.stream(q, r)
+        # the pacer launches its next batch after the sequences' follow-up rounds were submitted
+        # (measured on the engine: a plain round of batch N reaches the target lane before N+1's verify)
+        self.sim.clock.at(self.sim.now, self._serve_if_idle)
+
+    def _trace(self, r: Round, positions: tuple[int, ...]) -> RoundTrace:
+        nbytes = self.sim.s.byte_map
+        return RoundTrace(
+            start=0,
+            tokens=r.tokens,
+            acceptance_length=r.acceptance_length,
+            expert_bytes=union_bytes(r.projected, nbytes),
+            fetch_bytes=0,
+            actual_bytes=union_bytes(r.actual, nbytes),
+            quality=ProjectionQuality.compare(r.projected, r.actual, nbytes),
+            position_fetch_bytes=positions,
+        )
