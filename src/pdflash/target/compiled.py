@@ -88,8 +88,7 @@ class TargetSteps:
         self._step = partial(wrap(steps.whole_step), rope_scale=model.rotary.scale, **consts)
         self._inputs = wrap(steps.step_inputs)
         self._attention = partial(wrap(steps.attention_step), **consts)
-        self._gathered = wrap(steps.gathered_experts)
-        self._dense = wrap(steps.dense_experts)
+        self._experts = wrap(steps.gathered_experts)
         self._dense_mlp = wrap(steps.dense_mlp)
         self._head = partial(wrap(steps.head_step), eps=cfg.rms_norm_eps)
         self.fallbacks: Counter[str] = Counter()  # reason -> eager forwards taken for it
@@ -167,7 +166,7 @@ class TargetSteps:
 
     def _whole(self, ids, lengths, past_k, past_v, every) -> tuple[torch.Tensor, ...]:
         """All layers in one compiled call (every expert resident)."""
-        model, cfg = self.model, self.model.config
+        model = self.model
         weights = tuple(
             (w.input_norm, w.attention.qkv_proj, w.attention.qkv_bias, w.attention.o_proj, w.attention.o_bias,
              w.attention.q_norm, w.attention.k_norm, w.post_attention_norm, w.router)
@@ -175,10 +174,9 @@ class TargetSteps:
         )  # fmt: skip
         stacks = model.experts.stacks  # type: ignore[attr-defined]  # a ResidentExperts
         mlps = tuple(stacks[i] if w.router is not None else w.dense for i, w in enumerate(model.layers))
-        gathered = ids.numel() * cfg.top_k < cfg.num_experts
         return self._step(
             ids, lengths, self._mark(past_k, 3), self._mark(past_v, 3), model.embed, self._inv_freq,
-            weights, mlps, model.final_norm, model.lm_head, gathered=gathered,
+            weights, mlps, model.final_norm, model.lm_head,
         )  # fmt: skip
 
     def _layered(self, ids, lengths, past_k, past_v, every) -> tuple[torch.Tensor, ...]:
@@ -190,7 +188,6 @@ class TargetSteps:
         layer_v = [self._mark(t, 2) for t in past_v.unbind(0)]
         mlp_out = torch.zeros((ids.numel(), cfg.hidden_size), dtype=torch.float32, device=ids.device)
         padded = every.numel() < ids.numel()
-        experts = self._gathered if ids.numel() * cfg.top_k < cfg.num_experts else self._dense
         new_k, new_v, outputs, routed = [], [], [], []
         for layer, w in enumerate(model.layers):
             a = w.attention
@@ -210,7 +207,7 @@ class TargetSteps:
             routed.append(topk_ids)
             union = topk_ids[every] if padded else topk_ids  # padded rows fetch nothing
             parts = [
-                experts(h, topk_ids, topk_weights, wave.slot_of_expert, wave.gate, wave.up, wave.down)
+                self._experts(h, topk_ids, topk_weights, wave.slot_of_expert, wave.gate, wave.up, wave.down)
                 for wave in model.experts.waves(layer, union.unique().tolist())
             ]
             mlp_out = torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]

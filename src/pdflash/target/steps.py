@@ -4,9 +4,11 @@ A step runs n new tokens for each of B padded sequences: shapes depend only on (
 key length S of the gathered past, never on the data. Attention reads the past K/V [B, kv, S, D]
 plus the new block under a `visible` mask (a past key is visible below the sequence's length,
 a new key causally), so padded rows and stale cache rows never reach a real token. Experts are
-computed from a wave's slot weights in one of two static forms: each assignment's weights
-gathered into a fused reduction (few assignments), or every slot as one dense matmul weighted by
-the routing (many). A slot map of -1 skips an expert, so offloaded waves run unchanged.
+computed from a wave's slot weights gathered per assignment into fused reductions: T*K expert
+slices read, each distinct one from memory once (the rest from cache), where a dense matmul
+over every slot would read all E experts; on the CPU the step is memory-bound, so this is the
+faster form at every bucket measured (docs/compile.md). A slot map of -1 skips an expert, so
+offloaded waves run unchanged.
 
 Pure tensor functions with shape comments; no caches, providers or Python loops over tokens.
 """
@@ -123,7 +125,7 @@ def gathered_experts(
     up: torch.Tensor,  # [S, I, H]
     down: torch.Tensor,  # [S, H, I]
 ) -> torch.Tensor:
-    """Few assignments: each one's slot weights read inside fused reductions -> [T, H] float32."""
+    """Each assignment's slot weights read inside fused reductions -> [T, H] float32."""
     slot = slot_of_expert[topk_ids]  # [T, K]
     weight = torch.where(slot >= 0, topk_weights, 0.0)  # [T, K] absent experts add nothing
     slot = slot.clamp(min=0)
@@ -131,26 +133,6 @@ def gathered_experts(
     act = F.silu((x * gate[slot]).sum(-1)) * (x * up[slot]).sum(-1)  # [T, K, I]
     y = (act[:, :, None, :] * down[slot]).sum(-1)  # [T, K, H]
     return (y.float() * weight[..., None]).sum(1)
-
-
-def dense_experts(
-    h: torch.Tensor,  # [T, H]
-    topk_ids: torch.Tensor,  # [T, K] int64
-    topk_weights: torch.Tensor,  # [T, K] float32
-    slot_of_expert: torch.Tensor,  # [E] int64, -1 = not in this wave
-    gate: torch.Tensor,  # [S, I, H]
-    up: torch.Tensor,  # [S, I, H]
-    down: torch.Tensor,  # [S, H, I]
-) -> torch.Tensor:
-    """Many assignments: every slot for every token in three matmuls, weighted by routing -> [T, H] float32."""
-    S, I, H = gate.shape
-    T = h.shape[0]
-    slot = slot_of_expert[topk_ids]  # [T, K]
-    slot = torch.where(slot >= 0, slot, S)  # absent experts land in a dropped column
-    weight = torch.zeros((T, S + 1), dtype=torch.float32, device=h.device).scatter_add(1, slot, topk_weights)[:, :S]
-    act = F.silu(h @ gate.view(S * I, H).T) * (h @ up.view(S * I, H).T)  # [T, S*I]
-    act = act.view(T, S, I) * weight[..., None].to(h.dtype)  # [T, S, I]
-    return torch.bmm(act.transpose(0, 1), down.transpose(1, 2)).float().sum(0)  # [T, H]
 
 
 def dense_mlp(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -189,7 +171,6 @@ def whole_step(
     eps: float,
     top_k: int,
     norm_topk: bool,
-    gathered: bool,  # expert form: gathered (few assignments) or dense (many)
 ) -> tuple[torch.Tensor, ...]:
     """Every layer in one graph, all experts resident (slot e holds expert e): (logits [B, n, V]
     float32, new keys and values [L, B, kv, n, D], each layer's output [L, B, n, H], topk_ids
@@ -197,7 +178,6 @@ def whole_step(
     x, cos, sin, visible = step_inputs(ids, lengths, past_k, embed, inv_freq, rope_scale)
     B, n, H = x.shape
     mlp_out = torch.zeros((B * n, H), dtype=torch.float32, device=x.device)
-    experts = gathered_experts if gathered else dense_experts
     new_k, new_v, outputs, routed = [], [], [], []
     for layer, (weights, mlp) in enumerate(zip(layers, mlps)):
         outs = attention_step(
@@ -215,7 +195,7 @@ def whole_step(
         topk_ids, topk_weights = outs[5:]
         routed.append(topk_ids)
         identity = torch.arange(mlp[0].shape[0], device=x.device)  # [E]
-        mlp_out = experts(h, topk_ids, topk_weights, identity, *mlp)
+        mlp_out = gathered_experts(h, topk_ids, topk_weights, identity, *mlp)
     x, logits = head_step(x, mlp_out, final_norm, lm_head, eps=eps)
     outputs.append(x)
     routed_ids = torch.stack(routed, dim=1) if routed else topk_ids_none(B * n, top_k, x.device)
