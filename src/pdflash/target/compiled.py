@@ -150,9 +150,13 @@ class TargetSteps:
         keys = -(-max(lengths) // KEY_QUANTUM) * KEY_QUANTUM or KEY_QUANTUM  # padded past S
         for cache, n in zip(caches, counts, strict=True):
             cache.reserve(max(keys, cache.length + n))
-        ids = torch.zeros((batch, tokens), dtype=torch.int64)  # [B, n] padded with token 0
-        for row, t in enumerate(token_ids):
-            ids[row, : counts[row]] = t
+        full = len(counts) == batch and min(counts) == tokens  # no padded row or token: outputs are views
+        if full:
+            ids = torch.stack(list(token_ids))  # [B, n]
+        else:
+            ids = torch.zeros((batch, tokens), dtype=torch.int64)  # [B, n] padded with token 0
+            for row, t in enumerate(token_ids):
+                ids[row, : counts[row]] = t
         past_k, past_v = gather_past(caches, keys, batch)  # [L, B, kv, S, D] each
         lengths_t = torch.tensor(lengths + [0] * (batch - len(counts)), dtype=torch.int64)
         every = _real_rows(counts, tokens, last_only=False)  # [T_real] rows of real tokens
@@ -163,12 +167,21 @@ class TargetSteps:
             ids.to(model.device), lengths_t.to(model.device), past_k, past_v, every.to(model.device)
         )
         store_new(caches, counts, new_k, new_v, commit=commit)
+        logits = logits.view(batch * tokens, -1)  # [B*n, V]
+        flat = outputs.view(len(model.layers), batch * tokens, cfg.hidden_size)  # [L, B*n, H]
+        if full and not (model.device.type == "cuda" and self.compiled):  # a CUDA graph reuses its outputs
+            last = logits.view(batch, tokens, -1)[:, -1] if last_logits_only else logits  # [N, V] or [T, V]
+            return BatchOutput(
+                seq_lens=tuple(counts),
+                logits=last,
+                taps=torch.cat([flat[t] for t in taps], dim=-1) if taps else None,
+                routed=routed,
+            )
         rows = _real_rows(counts, tokens, last_only=last_logits_only).to(model.device)
         every = every.to(model.device)
-        flat = outputs.view(len(model.layers), batch * tokens, cfg.hidden_size)  # [L, B*n, H]
         return BatchOutput(
             seq_lens=tuple(counts),
-            logits=logits.view(batch * tokens, -1)[rows],
+            logits=logits[rows],
             taps=torch.cat([flat[t, every] for t in taps], dim=-1) if taps else None,
             routed=routed[every],
         )
