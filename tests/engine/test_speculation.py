@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from engine_cases import collect, drained
 from test_engine import GREEDY, PROMPTS, RecordingProvider
 
+from pdflash.engine.round_work import RoundWork
 from pdflash.engine.speculation import SpeculationPlanner, _ComputeFit
 from pdflash.sampling import SamplingParams
 from pdflash.spec.projection import ProjectionQuality
 from pdflash.spec.session import RoundTrace
+from pdflash.spec.speculator import Speculator
 
 
-def trace(tokens: int, position_bytes: tuple[int, ...]) -> RoundTrace:
+def trace(tokens: int, position_bytes: tuple[int, ...], further: int = 0) -> RoundTrace:
     return RoundTrace(
         start=0,
         tokens=tokens,
@@ -22,6 +26,7 @@ def trace(tokens: int, position_bytes: tuple[int, ...]) -> RoundTrace:
         actual_bytes=sum(position_bytes),
         quality=ProjectionQuality(coverage=1.0, coverage_bytes=1.0, waste_bytes=0),
         position_fetch_bytes=position_bytes,
+        further_token_bytes=further,
     )
 
 
@@ -43,23 +48,27 @@ def test_one_verify_size_splits_by_the_prior_ratio():
     assert per_token == pytest.approx(0.05 * fixed)
 
 
-def test_the_planner_drafts_the_whole_block_until_it_has_measured():
+def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_drafts_the_block_without():
     planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
     seq = planner.track()
-    assert planner.plan(seq) is None  # nothing measured: the configured block
+    assert planner.plan(seq) == 1 and planner.inputs(seq) is None  # nothing measured, bytes matter
+    assert SpeculationPlanner("adaptive", 4, link_bytes_per_s=None).plan(seq) == 4  # resident
+    planner.observe_verify([trace(1, (1000,), further=300), trace(1, (1000,), further=300)], 0.02)
+    assert planner.inputs(seq).costs.draft_s == 0  # the drafter not yet measured costs nothing
     planner.observe_draft(2, 0.004)
-    planner.observe_verify([trace(4, (1000, 400)), trace(4, (1000, 400))], 0.02)
+    planner.observe_verify([trace(4, (1000, 400), further=300), trace(4, (1000, 400), further=300)], 0.02)
     inputs = planner.inputs(seq)
-    assert inputs.prefix_fetch_bytes == (1000, 1400, 1800, 2200)  # unmeasured positions: the last measured
+    # unmeasured positions cost what one more token would have added (the batch's leave-one-out)
+    assert inputs.prefix_fetch_bytes == (1000, 1400, 1700, 2000)
     assert inputs.costs.draft_s == pytest.approx(0.002) and inputs.costs.link_bytes_per_s == 1e6
-    assert planner.plan(seq) is not None and sum(planner.decisions.values()) == 2
+    assert 1 <= planner.plan(seq) <= 4 and sum(planner.decisions.values()) == 2
 
 
 def test_fixed_speculation_never_asks_the_policy():
     planner = SpeculationPlanner("fixed", 4, link_bytes_per_s=None)
     planner.observe_draft(1, 0.004)
     planner.observe_verify([trace(4, (0, 0, 0, 0))], 0.02)
-    assert planner.plan(planner.track()) is None and planner.decisions == {4: 1}
+    assert planner.plan(planner.track()) == 4 and planner.decisions == {4: 1}
     with pytest.raises(ValueError, match="speculation='greedy'"):
         SpeculationPlanner("greedy", 4, None)
 
@@ -78,12 +87,12 @@ async def test_link_bound_at_concurrency_one_the_engine_decodes_plainly(make_eng
         stats = await drained(engine)
     assert ids == reference(PROMPTS[0])  # lossless whatever the block
     blocks = last.metrics.block_sizes
-    assert blocks[0] == engine.speculator.block_size  # measured first
+    assert blocks[0] == 1  # nothing measured yet: plain decoding
     # then bytes cost more than the (random) tiny drafter's tokens are worth: short probes
     # now and then (its acceptance estimate drifts back to the prior), plain decoding mostly
     later = blocks[1:]
     assert max(later) <= 3 and later.count(1) >= 2 * len(later) / 3, blocks
-    assert stats.block_decisions[1] == later.count(1) and stats.speculation == "adaptive"
+    assert stats.block_decisions[1] == blocks.count(1) and stats.speculation == "adaptive"
 
 
 @pytest.mark.asyncio
@@ -114,3 +123,22 @@ async def test_a_seeded_sampled_request_keeps_the_whole_block_and_reproduces(mak
         for n in last.metrics.acceptance_lengths:
             emitted.append(emitted[-1] + n)
         assert last.metrics.block_sizes == tuple(min(block, 12 - e + 1) for e in emitted[:-1])
+
+
+def test_a_draft_that_first_catches_up_on_skipped_context_is_not_timed(loaded, drafter):
+    """After plain-decoding rounds the drafter first reads the target context it skipped: a one-off
+    cost that would make drafting every round look dearer than it is."""
+    spec = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes, projector="last-union")
+    planner = SpeculationPlanner("adaptive", spec.block_size, link_bytes_per_s=None)
+    work = RoundWork(spec, planner)
+    [session] = spec.begin_sessions([(PROMPTS[1], SamplingParams(max_tokens=40))])
+    seq = SimpleNamespace(session=session, planned_block=1)  # a Sequence stand-in: what the lane reads
+    while session.context is None or session.context.shape[0] <= spec.block_size:
+        work.draft_rounds([seq])  # plain rounds: the drafter skipped, its unseen context grows
+        spec.verify_rounds([session])
+    seq.planned_block = spec.block_size
+    work.draft_rounds([seq])
+    assert planner.draft_s == 0  # caught up, not timed
+    spec.verify_rounds([session])
+    work.draft_rounds([seq])
+    assert planner.draft_s > 0  # a steady draft is

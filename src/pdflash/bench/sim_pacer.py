@@ -18,7 +18,7 @@ from pdflash.bench.sim_cache import SimulationError
 from pdflash.bench.sim_events import Job
 from pdflash.spec.projection import ProjectionQuality, union_bytes
 from pdflash.spec.session import RoundTrace
-from pdflash.spec.speculator import position_fetch_bytes
+from pdflash.spec.speculator import further_token_bytes, position_fetch_bytes
 from pdflash.target.experts import ExpertKey
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class SimPacer:
         self._waited = False  # that pass waited for drafting sequences
         self.verify_batches: dict[int, int] = {}  # sequences per batched verify -> batches
         self.ticks_in_flight = 0
+        self._ended_at = 0.0  # when the last verify ended (its sequences draft from then)
 
     def changed(self) -> None:
         """A demand registered or a sequence left: serve if the target lane has no batch, else
@@ -104,7 +105,8 @@ class SimPacer:
         copying_s = (
             union_bytes(prefetching - self.sim.cache.resident(), self.sim.s.byte_map) / self.sim.s.link_bytes_per_s
         )
-        drafts_due = max(q.drafted_at for q in waiting) + coming * self.sim.planner.draft_s
+        drafting_since = max(self._ended_at, *(q.drafted_at for q in waiting))
+        drafts_due = drafting_since + coming * self.sim.planner.draft_s
         return max(0.0, copying_s, drafts_due - self.sim.now)
 
     def _tick_during(self, batch: list[SimRequest]) -> None:
@@ -158,13 +160,13 @@ class SimPacer:
         """As VerifyPacer._verify: finish the demands, teach the planner, then each sequence streams."""
         waited = (self.sim.cache.counters.exposed_fetch_s if self.sim.cache is not None else 0.0) - exposed
         rounds = [round_of(q) for q in batch]
-        known = all(r.positions for r in rounds)
-        positions = (
-            position_fetch_bytes([q.resident for q in batch], [r.positions for r in rounds], self.sim.s.byte_map)
-            if known
-            else [()] * len(batch)
-        )
-        traces = [self._trace(r, p) for r, p in zip(rounds, positions, strict=True)]
+        self._ended_at = self.sim.now
+        residents, routes = [q.resident for q in batch], [r.positions for r in rounds]
+        known = all(routes)  # per-token routes (fixed-block traces replay whole unions only)
+        nbytes = self.sim.s.byte_map
+        positions = position_fetch_bytes(residents, routes, nbytes) if known else [()] * len(batch)
+        further = further_token_bytes(residents, routes, nbytes) if known else [0] * len(batch)
+        traces = [self._trace(r, p, f) for r, p, f in zip(rounds, positions, further, strict=True)]
         for q in batch:
             self.sim.scheduler.finish(q.rid)
         self.sim.planner.observe_verify(traces, max(0.0, self.sim.now - launched - waited))
@@ -175,7 +177,7 @@ class SimPacer:
         # (measured on the engine: a plain round of batch N reaches the target lane before N+1's verify)
         self.sim.clock.at(self.sim.now, self._serve_if_idle)
 
-    def _trace(self, r: Round, positions: tuple[int, ...]) -> RoundTrace:
+    def _trace(self, r: Round, positions: tuple[int, ...], further: int) -> RoundTrace:
         nbytes = self.sim.s.byte_map
         return RoundTrace(
             start=0,
@@ -186,4 +188,5 @@ class SimPacer:
             actual_bytes=union_bytes(r.actual, nbytes),
             quality=ProjectionQuality.compare(r.projected, r.actual, nbytes),
             position_fetch_bytes=positions,
+            further_token_bytes=further,
         )

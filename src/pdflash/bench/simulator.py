@@ -205,7 +205,9 @@ class Simulator:
         context = sum(q.unseen for q in drafting)
         seconds = self.s.costs.draft_s(len(batch), sum(sizes), context, speculative=bool(drafting), router=self.router)
         yield self.now + seconds
-        self.planner.observe_draft(len(drafting), seconds)
+        # RoundWork.draft_rounds: a batch in which a sequence catches up on skipped context is not timed
+        if all(q.unseen <= self.block for q in drafting):
+            self.planner.observe_draft(len(drafting), seconds)
         return sizes
 
     def _plain_job(self, batch: list[SimRequest]) -> Job:
@@ -231,8 +233,7 @@ class Simulator:
     def _plan(self, q: SimRequest) -> None:
         """Ask the planner for the next block (RoundWork.plan: greedy requests follow the policy)."""
         assert q.acceptance is not None
-        choice = self.planner.plan(q.acceptance)
-        q.planned = choice.block if choice is not None else self.block
+        q.planned = self.planner.plan(q.acceptance)
         (self.draft if q.planned > 1 else self.plain).submit(q)
 
     def _drafted(self, batch: list[SimRequest], sizes: list[int]) -> None:

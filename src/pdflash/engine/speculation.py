@@ -14,7 +14,7 @@ from __future__ import annotations
 import attrs
 
 from pdflash.spec.acceptance import AcceptanceModel, SequenceAcceptance
-from pdflash.spec.policy import SPECULATION, BlockChoice, PolicyInputs, RoundCosts, choose_block
+from pdflash.spec.policy import SPECULATION, PolicyInputs, RoundCosts, choose_block
 from pdflash.spec.session import RoundTrace
 
 EMA_WEIGHT = 0.1  # weight of the newest observation in the running estimates
@@ -60,6 +60,7 @@ class SpeculationPlanner:
         self._draft_s: float | None = None  # drafter seconds per drafted sequence
         self._batch: float | None = None  # sequences per batched verify
         self._position_bytes: list[float | None] = [None] * max_block  # [B] EMA bytes each position adds
+        self._further_bytes: float | None = None  # EMA: what one more token would add (unmeasured positions)
         self.decisions: dict[int, int] = {}  # block length chosen -> rounds
 
     @property
@@ -76,24 +77,35 @@ class SpeculationPlanner:
 
     # -- deciding ----------------------------------------------------------------------------------
 
-    def plan(self, acceptance: SequenceAcceptance) -> BlockChoice | None:
-        """The next round's block for a sequence; None: the configured block (fixed, or not yet measured)."""
-        inputs = self.inputs(acceptance) if self.adaptive else None
-        choice = choose_block(inputs) if inputs is not None else None
-        block = choice.block if choice is not None else self.max_block
+    def plan(self, acceptance: SequenceAcceptance) -> int:
+        """The next round's block for a sequence: the policy's choice once a verify is measured.
+
+        Before that there is no compute or byte figure to weigh a draft against. With a link
+        the first rounds decode plainly, the one choice that cannot lose to autoregressive
+        decoding (a first full block in a link-bound regime fetched the union of every seat's
+        block); resident, they draft the whole block. Fixed speculation always drafts it.
+        """
+        if not self.adaptive:
+            block = self.max_block
+        elif (inputs := self.inputs(acceptance)) is not None:
+            block = choose_block(inputs).block
+        else:
+            block = self.max_block if self.link_bytes_per_s is None else 1
         self.decisions[block] = self.decisions.get(block, 0) + 1
-        return choice
+        return block
 
     def inputs(self, acceptance: SequenceAcceptance) -> PolicyInputs | None:
-        """What the policy is asked, or None until a verify and a draft have been measured."""
+        """What the policy is asked, or None until a verify has been measured (a drafter not yet
+        measured costs nothing: the first draft the policy finds worth it measures it)."""
         fit = self._fit.solve()
-        if fit is None or self._draft_s is None or self._position_bytes[0] is None:
+        if fit is None or self._position_bytes[0] is None:
             return None
         fixed_s, token_s = fit
-        prefix, total, last = [], 0.0, 0.0
-        for measured in self._position_bytes:  # unmeasured positions cost what the last measured one did
-            last = measured if measured is not None else last
-            total += last
+        prefix, total = [], 0.0
+        further = self._further_bytes if self._further_bytes is not None else self._position_bytes[0]
+        assert further is not None  # position 0 is measured (checked above)
+        for measured in self._position_bytes:  # unmeasured positions: what one more token would have added
+            total += measured if measured is not None else further
             prefix.append(int(total))
         return PolicyInputs(
             acceptance=acceptance.estimate(),
@@ -101,7 +113,7 @@ class SpeculationPlanner:
             costs=RoundCosts(
                 round_s=fixed_s / max(1.0, self._batch or 1.0),
                 token_s=token_s,
-                draft_s=self._draft_s,
+                draft_s=self.draft_s,
                 link_bytes_per_s=self.link_bytes_per_s,
             ),
         )
@@ -113,6 +125,7 @@ class SpeculationPlanner:
         self._fit.observe(sum(t.tokens for t in traces), compute_s)
         self._batch = _ema(self._batch, float(len(traces)))
         for trace in traces:
+            self._further_bytes = _ema(self._further_bytes, float(trace.further_token_bytes))
             for k, nbytes in enumerate(trace.position_fetch_bytes[: self.max_block]):
                 self._position_bytes[k] = _ema(self._position_bytes[k], float(nbytes))
 

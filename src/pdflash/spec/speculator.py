@@ -188,13 +188,15 @@ class Speculator:
         share = (time.perf_counter() - started) / len(sessions)
         taps = out.split_taps()
         routes = [self._token_routes(r) for r in out.split(out.routed)]
-        position_bytes = position_fetch_bytes([d.resident for d in drafts], routes, self.expert_nbytes)
+        residents = [d.resident for d in drafts]
+        position_bytes = position_fetch_bytes(residents, routes, self.expert_nbytes)
+        further = further_token_bytes(residents, routes, self.expert_nbytes)
         logits = out.split(out.logits)
         choices = self._next_tokens(sessions, blocks, drafts, logits)
         return [
-            self._accept(s, block, choice, lg, routed, tap, share, positions)
-            for s, block, choice, lg, routed, tap, positions in zip(
-                sessions, blocks, choices, logits, out.split(out.routed), taps, position_bytes
+            self._accept(s, block, choice, lg, routed, tap, share, positions, more)
+            for s, block, choice, lg, routed, tap, positions, more in zip(
+                sessions, blocks, choices, logits, out.split(out.routed), taps, position_bytes, further
             )
         ]
 
@@ -254,6 +256,7 @@ class Speculator:
         taps,
         verify_s: float,
         position_fetch_bytes: tuple[int, ...],
+        further_token_bytes: int,
     ) -> VerifyResult:
         accepted, next_token = choice
         kept, finish = s.rule.clip(len(s.emitted), block[1 : accepted + 1].tolist() + [next_token])
@@ -275,6 +278,7 @@ class Speculator:
             actual_bytes=union_bytes(actual, self.expert_nbytes),
             quality=ProjectionQuality.compare(pending.expert_union, actual, self.expert_nbytes),
             position_fetch_bytes=position_fetch_bytes,
+            further_token_bytes=further_token_bytes,
         )
         s.trace.append(trace)
         s.anchor, s.start = next_token, s.start + accepted + 1
@@ -356,7 +360,7 @@ def position_fetch_bytes(
     the later positions (of any session) that routed it: speculating further is priced by the
     bytes it adds to this round, not by the round's average. The charges of one batch add up to
     what the batch fetched."""
-    firsts = [(own[0] - resident) if own else frozenset() for resident, own in zip(residents, routes, strict=True)]
+    firsts = _firsts(residents, routes)
     base_users = Counter(e for first in firsts for e in first)
     extensions = [
         frozenset().union(*own[1:]) - resident - base_users.keys()
@@ -373,3 +377,24 @@ def position_fetch_bytes(
             seen |= route
         out.append(tuple(positions))
     return out
+
+
+def further_token_bytes(
+    residents: Sequence[Set[ExpertKey]],
+    routes: Sequence[Sequence[frozenset[ExpertKey]]],
+    expert_nbytes: Mapping[ExpertKey, int],
+) -> list[int]:
+    """Per session: what one more token would have added beyond the rest of the batch's base, had
+    it routed like the session's first token (its experts no other session's first token routed,
+    not resident). The policy's price for block positions no verify has measured yet: at c = 1 a
+    whole token's misses, in a large batch almost nothing."""
+    firsts = _firsts(residents, routes)
+    base_users = Counter(e for first in firsts for e in first)
+    return [sum(expert_nbytes[e] for e in first if base_users[e] == 1) for first in firsts]
+
+
+def _firsts(
+    residents: Sequence[Set[ExpertKey]], routes: Sequence[Sequence[frozenset[ExpertKey]]]
+) -> list[frozenset[ExpertKey]]:
+    """Each session's first token's experts that were not resident when its block was drafted."""
+    return [(own[0] - resident) if own else frozenset() for resident, own in zip(residents, routes, strict=True)]
