@@ -1,7 +1,5 @@
 """DFlash rounds: lossless greedy output, the round order, projections and their byte sums."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -10,7 +8,7 @@ from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.projection import routed_union, union_bytes
 from pdflash.spec.session import RoundOrderError
-from pdflash.spec.speculator import Speculator, speculative_generate
+from pdflash.spec.speculator import Speculator, further_token_bytes, position_fetch_bytes, speculative_generate
 from pdflash.target.generate import generate_autoregressive
 from pdflash.target.loader import load_target
 from pdflash.target.tiny import write_tiny_drafter
@@ -105,19 +103,19 @@ def test_later_positions_pay_only_for_what_they_add_beyond_the_batch_base(loaded
     spec = speculator(loaded, drafter, block_size=4)
     (a, b, c, d, r), nbytes = [(0, e) for e in range(5)], spec.expert_nbytes[(0, 0)]
     assert all(spec.expert_nbytes[k] == nbytes for k in (a, b, c, d, r))
-    drafts = [SimpleNamespace(resident=frozenset({r})), SimpleNamespace(resident=frozenset())]
+    residents = [frozenset({r}), frozenset()]
     routes = [
         [frozenset({a, r}), frozenset({b, c}), frozenset({b})],  # r resident; b again: paid once
         [frozenset({a}), frozenset({a, c}), frozenset({d})],  # a is the base's; c shared with the other
     ]
-    first, second = spec._position_fetch_bytes(drafts, routes)
+    first, second = position_fetch_bytes(residents, routes, spec.expert_nbytes)
     assert first == (nbytes // 2, nbytes + nbytes // 2, 0)
     assert second == (nbytes // 2, nbytes // 2, nbytes)
     assert sum(first + second) == 4 * nbytes  # a, b, c, d: what the batch fetched
     # one more token routed like its first would add nothing beyond the other's base (a), and alone
     # it would add its first token's misses
-    assert spec._further_token_bytes(drafts, routes) == [0, 0]
-    assert spec._further_token_bytes(drafts[:1], routes[:1]) == [nbytes]
+    assert further_token_bytes(residents, routes, spec.expert_nbytes) == [0, 0]
+    assert further_token_bytes(residents[:1], routes[:1], spec.expert_nbytes) == [nbytes]
 
 
 def test_trained_like_drafter_accepts_more_than_one(loaded, drafter):
