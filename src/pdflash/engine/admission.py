@@ -9,7 +9,8 @@ the ticket scheduler (pdflash.engine.scheduler) owns order, tickets and the carr
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+import itertools
+from collections.abc import Hashable, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -88,9 +89,9 @@ def admit_verify_demands(
 
 
 def first_fit(
-    tokens: npt.ArrayLike,
-    expert_bytes: npt.ArrayLike,
-    skipped_ticks: npt.ArrayLike,
+    tokens: Sequence[int] | npt.NDArray[np.int64],
+    expert_bytes: Sequence[int] | npt.NDArray[np.int64],
+    skipped_ticks: Sequence[int] | npt.NDArray[np.int64],
     pool_tokens: int,
     pool_bytes: int,
     barrier_after: int,
@@ -99,12 +100,16 @@ def first_fit(
     below 2**62): indices of the demands admitted first-fit while they fit the pool in BOTH
     dimensions, stopping at a barrier (skipped `barrier_after` times and not fitting), and the
     pool left over (unclamped). Inputs are not checked: `admit_verify_demands` checks them."""
-    t, b, s = (np.asarray(c, dtype=np.int64) for c in (tokens, expert_bytes, skipped_ticks))
-    # The pool only shrinks: a demand that does not fit it now never will, so only the ones that
-    # fit now and the guarded ones (the possible barriers) need a look, in order.
-    look = np.flatnonzero(((t <= pool_tokens) & (b <= pool_bytes)) | (s >= barrier_after))
+    if isinstance(tokens, np.ndarray):  # a long line (the scheduler's): look only where it can matter
+        t, b, s = tokens, np.asarray(expert_bytes), np.asarray(skipped_ticks)
+        # The pool only shrinks: a demand that does not fit it now never will, so only the ones that
+        # fit now and the guarded ones (the possible barriers) need a look, in order.
+        look = np.flatnonzero(((t <= pool_tokens) & (b <= pool_bytes)) | (s >= barrier_after))
+        line = zip(look.tolist(), t[look].tolist(), b[look].tolist(), s[look].tolist())
+    else:
+        line = zip(itertools.count(), tokens, expert_bytes, skipped_ticks)
     admitted = []
-    for i, ti, bi, si in zip(look.tolist(), t[look].tolist(), b[look].tolist(), s[look].tolist()):
+    for i, ti, bi, si in line:
         if ti <= pool_tokens and bi <= pool_bytes:
             admitted.append(i)
             pool_tokens -= ti
