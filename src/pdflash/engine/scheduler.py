@@ -245,11 +245,8 @@ class VerifyScheduler:
         self._carried = TokensBytes(pool_tokens, pool_bytes).clamped(self.cap)
         self._hand_out(waiting, charges[n:][picked].tolist())
         self._last_tick_s = self._clock() - start
-        return VerifyAdmission(
-            seated_ids=tuple(e.request.seq_id for e in seated),
-            admitted_ids=tuple(e.request.seq_id for e in waiting),
-            carried=self._carried,
-        )
+        ids = (tuple(e.request.seq_id for e in seated), tuple(e.request.seq_id for e in waiting))
+        return VerifyAdmission(seated_ids=ids[0], admitted_ids=ids[1], carried=self._carried)
 
     def pending_count(self) -> int:
         return len(self._queue)
@@ -310,7 +307,10 @@ class VerifyScheduler:
         if self.token_only:
             return np.zeros(n + len(offered), dtype=np.int64)
         if self.charge_mode is ChargeMode.MARGINAL and uncovered is not None:
-            stacked = uncovered.take(np.concatenate((np.arange(n + 1), n + 1 + offered)), axis=0)  # line order
+            reordered = self.order != "arrival"  # else `uncovered` is in line order already
+            stacked = (
+                uncovered.take(np.concatenate((np.arange(n + 1), n + 1 + offered)), axis=0) if reordered else uncovered
+            )
             return self._table.marginal(stacked)
         line = [e.request for e in seated] + [waiting[i].request for i in offered]
         return np.asarray(charge_bytes(line, self.charge_mode, None, frozenset(), frozenset()), dtype=np.int64)
