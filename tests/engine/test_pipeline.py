@@ -106,6 +106,31 @@ async def test_the_next_batch_is_admitted_against_the_running_union_and_fetched_
     assert stats.provider["claimed_experts"] == 0
 
 
+@pytest.mark.parametrize("link_gbps", [0.05, None])
+@pytest.mark.asyncio
+async def test_with_a_link_latecomers_join_the_next_launch_and_without_one_they_overlap(
+    loaded, drafter, offloaded, reference, link_gbps
+):
+    """Two groups out of step. Link-bound, a launch waits for the sequences still drafting
+    (bounded by the copies under way and the drafter's measured time), so the groups merge
+    and each round's experts cross the link once; resident, they stay two cohorts that
+    overlap drafting with verifying."""
+    target = offloaded(expert_cache_fraction=0.25, link_gbps=link_gbps)
+    spec = Speculator(target.model, drafter, expert_nbytes=target.expert_nbytes, resident=target.model.experts.resident)
+    spec.draft_rounds = slowed(spec.draft_rounds, 0.02)
+    provider = target.model.experts if link_gbps is not None else None
+    engine = AsyncEngine(spec, loaded.tokenizer, EngineConfig(speculation="fixed"), provider=provider)
+    async with engine:
+        results = await run_staggered(engine, PROMPTS, PROMPTS[::-1])
+        stats = await drained(engine)
+    assert results == [reference(p, LONG) for p in PROMPTS + PROMPTS[::-1]]
+    mean_batch = stats.verify_rounds / sum(stats.verify_batch_sizes.values())
+    if link_gbps is not None:
+        assert mean_batch > 0.75 * 2 * len(PROMPTS), stats.verify_batch_sizes
+    else:
+        assert mean_batch < 0.75 * 2 * len(PROMPTS), stats.verify_batch_sizes
+
+
 @pytest.mark.asyncio
 async def test_no_tick_happens_while_a_verify_runs_with_nothing_new_to_admit(make_engine, reference):
     verifies: list[tuple[float, float]] = []

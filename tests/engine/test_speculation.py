@@ -43,23 +43,26 @@ def test_one_verify_size_splits_by_the_prior_ratio():
     assert per_token == pytest.approx(0.05 * fixed)
 
 
-def test_the_planner_drafts_the_whole_block_until_it_has_measured():
+def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_drafts_the_block_without():
     planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
     seq = planner.track()
-    assert planner.plan(seq) is None  # nothing measured: the configured block
+    assert planner.plan(seq) == 1 and planner.inputs(seq) is None  # nothing measured, bytes matter
+    assert SpeculationPlanner("adaptive", 4, link_bytes_per_s=None).plan(seq) == 4  # resident
+    planner.observe_verify([trace(1, (1000,)), trace(1, (1000,))], 0.02)
+    assert planner.inputs(seq).costs.draft_s == 0  # the drafter not yet measured costs nothing
     planner.observe_draft(2, 0.004)
     planner.observe_verify([trace(4, (1000, 400)), trace(4, (1000, 400))], 0.02)
     inputs = planner.inputs(seq)
     assert inputs.prefix_fetch_bytes == (1000, 1400, 1800, 2200)  # unmeasured positions: the last measured
     assert inputs.costs.draft_s == pytest.approx(0.002) and inputs.costs.link_bytes_per_s == 1e6
-    assert planner.plan(seq) is not None and sum(planner.decisions.values()) == 2
+    assert 1 <= planner.plan(seq) <= 4 and sum(planner.decisions.values()) == 2
 
 
 def test_fixed_speculation_never_asks_the_policy():
     planner = SpeculationPlanner("fixed", 4, link_bytes_per_s=None)
     planner.observe_draft(1, 0.004)
     planner.observe_verify([trace(4, (0, 0, 0, 0))], 0.02)
-    assert planner.plan(planner.track()) is None and planner.decisions == {4: 1}
+    assert planner.plan(planner.track()) == 4 and planner.decisions == {4: 1}
     with pytest.raises(ValueError, match="speculation='greedy'"):
         SpeculationPlanner("greedy", 4, None)
 
@@ -78,12 +81,12 @@ async def test_link_bound_at_concurrency_one_the_engine_decodes_plainly(make_eng
         stats = await drained(engine)
     assert ids == reference(PROMPTS[0])  # lossless whatever the block
     blocks = last.metrics.block_sizes
-    assert blocks[0] == engine.speculator.block_size  # measured first
+    assert blocks[0] == 1  # nothing measured yet: plain decoding
     # then bytes cost more than the (random) tiny drafter's tokens are worth: short probes
     # now and then (its acceptance estimate drifts back to the prior), plain decoding mostly
     later = blocks[1:]
     assert max(later) <= 3 and later.count(1) >= 2 * len(later) / 3, blocks
-    assert stats.block_decisions[1] == later.count(1) and stats.speculation == "adaptive"
+    assert stats.block_decisions[1] == blocks.count(1) and stats.speculation == "adaptive"
 
 
 @pytest.mark.asyncio

@@ -387,6 +387,35 @@ def test_policies_evict_the_least_recent_least_frequent_least_active():
     assert min(candidates, key=active.score) == (5, 2)
 
 
+def test_activation_ties_evict_the_most_recently_routed():
+    """Equal histories in two layers: the layer routed last is needed again last, so it goes first."""
+    active = make_policy("activation")
+    for _ in range(3):
+        active.observe(0, [0, 1])
+        active.observe(1, [0, 1])
+    assert min([(0, 0), (1, 0)], key=active.score) == (1, 0)
+
+
+@pytest.mark.parametrize("policy, hits_per_scan", [("activation", 8), ("lru", 0)])
+def test_a_scan_larger_than_the_cache_keeps_what_fits(store, config, policy, hits_per_scan):
+    """Every forward routes every expert of every MoE layer (a large batch): 4 x 16 experts
+    through 24 slots. One layer's 16 are pinned while it computes, so at most the other 8
+    slots can survive a scan (Belady's bound); least-recent order keeps none of them."""
+    slots, experts = 24, range(config.num_experts)
+    provider = provider_over(store, config, expert_cache_bytes=slots * store.nbytes((0, 0)), policy=policy)
+
+    def scan():
+        for layer in config.moe_layer_ids:
+            list(provider.waves(layer, list(experts)))
+
+    scan(), scan()
+    provider.reset_stats()
+    for _ in range(4):
+        scan()
+    assert provider.stats()["hits"] == 4 * hits_per_scan
+    provider.close()
+
+
 # -- helpers -------------------------------------------------------------------------------------
 def mixed_dtype_target(directory):
     """The tiny checkpoint with odd experts stored in bfloat16 and one expert mixed: unequal byte-map entries."""

@@ -1,5 +1,7 @@
 """DFlash rounds: lossless greedy output, the round order, projections and their byte sums."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -95,6 +97,23 @@ def test_position_bytes_share_each_expert_among_the_batch_that_routed_it(loaded,
     # alone and nothing resident: the positions add up to the union the verify routed
     assert sum(result.trace.position_fetch_bytes) == result.trace.actual_bytes
     assert result.trace.position_fetch_bytes[0] > 0
+
+
+def test_later_positions_pay_only_for_what_they_add_beyond_the_batch_base(loaded, drafter):
+    """Base = every session's first token (what plain decoding fetches anyway); later positions
+    pay for the rest, shared among the sessions whose later positions routed it."""
+    spec = speculator(loaded, drafter, block_size=4)
+    (a, b, c, d, r), nbytes = [(0, e) for e in range(5)], spec.expert_nbytes[(0, 0)]
+    assert all(spec.expert_nbytes[k] == nbytes for k in (a, b, c, d, r))
+    drafts = [SimpleNamespace(resident=frozenset({r})), SimpleNamespace(resident=frozenset())]
+    routes = [
+        [frozenset({a, r}), frozenset({b, c}), frozenset({b})],  # r resident; b again: paid once
+        [frozenset({a}), frozenset({a, c}), frozenset({d})],  # a is the base's; c shared with the other
+    ]
+    first, second = spec._position_fetch_bytes(drafts, routes)
+    assert first == (nbytes // 2, nbytes + nbytes // 2, 0)
+    assert second == (nbytes // 2, nbytes // 2, nbytes)
+    assert sum(first + second) == 4 * nbytes  # a, b, c, d: what the batch fetched
 
 
 def test_trained_like_drafter_accepts_more_than_one(loaded, drafter):

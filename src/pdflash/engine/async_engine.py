@@ -104,8 +104,8 @@ class AsyncEngine:
         self._derived = None
         if self.scheduling == "derived" and provider is not None:
             self._derived = DerivedBudgets(
-                cache_bytes=cache_bytes,
                 token_budget=self.scheduler.budget.tokens,
+                expert_bytes_total=sum(speculator.expert_nbytes.values()),
             )
         self._seqs: dict[str, Sequence] = {}  # every sequence not yet released, in arrival order
         self._waiting: deque[Sequence] = deque()
@@ -447,3 +447,5 @@ class AsyncEngine:
         del self._seqs[seq.request_id]
         seq.released.set()
         self._seats_changed.set()
+        if self._running is not None:
+            self._running.pacer.changed()  # one fewer sequence a tick may be waiting for

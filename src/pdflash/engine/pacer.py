@@ -42,20 +42,21 @@ TICK_TIMES = 4096  # tick start times remembered (tests and stats)
 
 @attrs.frozen(kw_only=True)
 class DerivedBudgets:
-    """Budgets that keep the working set in the cache: a tick's bytes are what the running batch leaves free.
+    """A tick's budgets with offloading: every block of every seat, whatever its experts' bytes.
 
-    A tick admits at most the cache bytes the running batch does not hold, so the unions of the
-    verifies in service fit the cache together and consecutive rounds hit instead of evicting
-    each other; which verifies get those bytes is the ordering's choice (pdflash.engine.ordering).
-    There is no per-tick link quantum: capping bytes per tick splits the very batches that share
-    experts (measured slower than token-only scheduling, issue 19).
+    Bytes shape a round through the policy's block lengths, the order a tick offers waiting
+    verifies in (pdflash.engine.ordering) and how long a launch waits for sequences still
+    drafting, not through a per-tick byte bound: each bound measured (a link quantum, the
+    cache less what the running batch holds, the whole cache) split the sequences that share
+    experts into cohorts that each fetched the shared ones again (issue 19, docs/engine.md).
+    The running batch's experts are protected by their claims, not by the budget.
     """
 
-    cache_bytes: int  # the device cache's budget
     token_budget: int  # tokens per tick (every block of every seat)
+    expert_bytes_total: int  # every expert's bytes: no tick's marginal union can exceed it
 
-    def per_tick(self, held_bytes: int) -> TokensBytes:
-        return TokensBytes(self.token_budget, max(1, self.cache_bytes - held_bytes))
+    def per_tick(self) -> TokensBytes:
+        return TokensBytes(self.token_budget, max(1, self.expert_bytes_total))
 
 
 @attrs.define
@@ -115,16 +116,54 @@ class VerifyPacer:
             self._next = []
             if not batch:
                 await self._until_demands()
+                await self._until_gathered(batch)
                 batch = self._tick(in_flight_union=frozenset())
                 if not batch:  # nothing fits yet: the carried quantum grows each tick (bounded by the cap)
                     await anyio.lowlevel.checkpoint()
                     continue
+            elif self._gather_s(batch) > 0:  # admitted while the last verify ran: latecomers may join it
+                await self._until_gathered(batch)
+                batch += self._tick(in_flight_union=frozenset())
             await self._launch(batch)
 
     async def _until_demands(self) -> None:
         while not self.scheduler.pending_count() and not self.scheduler.admitted_ids():
             self._changed = anyio.Event()
             await self._changed.wait()
+
+    async def _until_gathered(self, batch: list[Sequence]) -> None:
+        while (wait_s := self._gather_s(batch)) > 0:
+            self._changed = anyio.Event()
+            with anyio.move_on_after(wait_s):
+                await self._changed.wait()
+
+    def _gather_s(self, batch: list[Sequence]) -> float:
+        """Seconds the next launch may still wait for sequences drafting toward a demand (0: go).
+
+        With a link, launching the verifies that registered first alone fetches their union now
+        and the latecomers' a round later, though the two would share experts (in a large batch,
+        most of them): sequences split into cohorts that each pay for the whole cache. So the
+        launch of `batch` (admitted, prefetching) and of the waiting demands waits while other
+        sequences still draft, as long as the link is busy with `batch`'s copies anyway, or for
+        as long as the drafts take (the drafter's measured seconds per sequence): merged,
+        a round's experts cross the link once. Without a link (resident experts) it never
+        waits: drafting overlaps verifying.
+        """
+        link = self.provider.link_bytes_per_s if self.provider is not None else None
+        if link is None:
+            return 0.0
+        coming = sum(_drafting(s) for s in self._seqs.values())
+        if not coming:
+            return 0.0
+        busy = {id(s) for s in self._running} | {id(s) for s in self._next}
+        waiting = batch + [s for s in self._seqs.values() if _awaiting_admission(s) and id(s) not in busy]
+        if not waiting:
+            return 0.0
+        assert self.provider is not None
+        prefetching = frozenset().union(*(s.draft.expert_union for s in batch if s.draft is not None))
+        copying_s = self.speculator.union_bytes(prefetching - self.provider.resident()) / link
+        drafts_due = max(s.drafted_at for s in waiting) + coming * self.planner.draft_s
+        return max(0.0, copying_s, drafts_due - time.perf_counter())
 
     async def _launch(self, batch: list[Sequence]) -> None:
         """Run `batch` as one verify; meanwhile admit (and prefetch) the next once demands wait."""
@@ -137,12 +176,14 @@ class VerifyPacer:
             tg.start_soon(self._verify, batch, done)
             ticked = False
             while not done.is_set():
-                if not ticked and self.scheduler.pending_count():
+                wait_s = self._gather_s([]) if not ticked and self.scheduler.pending_count() else None
+                if wait_s == 0:
                     self._next = self._tick(in_flight_union=union)
                     ticked = True
                     continue
                 self._changed = anyio.Event()
-                await self._changed.wait()
+                with anyio.move_on_after(wait_s if wait_s is not None else float("inf")):
+                    await self._changed.wait()
         self._running = []
 
     async def _verify(self, batch: list[Sequence], done: anyio.Event) -> None:
@@ -202,10 +243,7 @@ class VerifyPacer:
         self.stats.ticks_in_flight += bool(in_flight_union)
         self.stats.tick_times.append(time.perf_counter())
         resident = frozenset(self.provider.resident()) if self.provider is not None else frozenset()
-        budget = None
-        if self.derived is not None:
-            held = self.speculator.union_bytes(frozenset(in_flight_union))
-            budget = self.derived.per_tick(held)
+        budget = self.derived.per_tick() if self.derived is not None else None
         self.scheduler.tick(resident, in_flight_union, budget=budget)
         # what this tick admitted, and any a cancel's refund re-assigned since the last one
         admitted = [self._seqs[i] for i in self.scheduler.admitted_ids() if i in self._seqs]
@@ -227,3 +265,12 @@ class VerifyPacer:
             self.stats.prefetch_errors += 1
             log.warning("route-ahead prefetch failed: %r", error)
             return None
+
+
+def _drafting(seq: Sequence) -> bool:
+    """On its way to a demand: drafting, or verified and about to draft again."""
+    return seq.state is SequenceState.DRAFT or (seq.state is SequenceState.VERIFY and seq.verify_done.is_set())
+
+
+def _awaiting_admission(seq: Sequence) -> bool:
+    return seq.state is SequenceState.VERIFY and not seq.verify_done.is_set() and seq.draft is not None

@@ -35,8 +35,7 @@ class RoundWork:
         assert seq.acceptance is not None
         if seq.params.seed is not None and not seq.params.greedy:
             return self.speculator.block_size
-        choice = self.planner.plan(seq.acceptance)
-        return choice.block if choice is not None else self.speculator.block_size
+        return self.planner.plan(seq.acceptance)
 
     def draft_rounds(self, batch: list[Sequence]) -> list[DraftResult]:  # on the drafter lane
         started = time.perf_counter()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import attrs
 
 from pdflash.spec.acceptance import AcceptanceModel, SequenceAcceptance
-from pdflash.spec.policy import SPECULATION, BlockChoice, PolicyInputs, RoundCosts, choose_block
+from pdflash.spec.policy import SPECULATION, PolicyInputs, RoundCosts, choose_block
 from pdflash.spec.session import RoundTrace
 
 EMA_WEIGHT = 0.1  # weight of the newest observation in the running estimates
@@ -66,23 +66,38 @@ class SpeculationPlanner:
     def adaptive(self) -> bool:
         return self.mode == "adaptive" and self.max_block > 1
 
+    @property
+    def draft_s(self) -> float:
+        """Drafter seconds per drafted sequence, as measured (0 before any draft)."""
+        return self._draft_s or 0.0
+
     def track(self) -> SequenceAcceptance:
         return self.acceptance.for_sequence()
 
     # -- deciding ----------------------------------------------------------------------------------
 
-    def plan(self, acceptance: SequenceAcceptance) -> BlockChoice | None:
-        """The next round's block for a sequence; None: the configured block (fixed, or not yet measured)."""
-        inputs = self.inputs(acceptance) if self.adaptive else None
-        choice = choose_block(inputs) if inputs is not None else None
-        block = choice.block if choice is not None else self.max_block
+    def plan(self, acceptance: SequenceAcceptance) -> int:
+        """The next round's block for a sequence: the policy's choice once a verify is measured.
+
+        Before that there is no compute or byte figure to weigh a draft against. With a link
+        the first rounds decode plainly, the one choice that cannot lose to autoregressive
+        decoding (a first full block in a link-bound regime fetched the union of every seat's
+        block); resident, they draft the whole block. Fixed speculation always drafts it.
+        """
+        if not self.adaptive:
+            block = self.max_block
+        elif (inputs := self.inputs(acceptance)) is not None:
+            block = choose_block(inputs).block
+        else:
+            block = self.max_block if self.link_bytes_per_s is None else 1
         self.decisions[block] = self.decisions.get(block, 0) + 1
-        return choice
+        return block
 
     def inputs(self, acceptance: SequenceAcceptance) -> PolicyInputs | None:
-        """What the policy is asked, or None until a verify and a draft have been measured."""
+        """What the policy is asked, or None until a verify has been measured (a drafter not yet
+        measured costs nothing: the first draft the policy finds worth it measures it)."""
         fit = self._fit.solve()
-        if fit is None or self._draft_s is None or self._position_bytes[0] is None:
+        if fit is None or self._position_bytes[0] is None:
             return None
         fixed_s, token_s = fit
         prefix, total, last = [], 0.0, 0.0
@@ -96,7 +111,7 @@ class SpeculationPlanner:
             costs=RoundCosts(
                 round_s=fixed_s / max(1.0, self._batch or 1.0),
                 token_s=token_s,
-                draft_s=self._draft_s,
+                draft_s=self.draft_s,
                 link_bytes_per_s=self.link_bytes_per_s,
             ),
         )

@@ -72,7 +72,14 @@ class ActivationAware(LRU):
 
     Each forward through a layer multiplies that layer's counts by `decay` and adds 1 to
     every routed expert, so an expert's score is Σ decay^age over the forwards that routed
-    it. Recency breaks ties. History is kept for evicted experts too: it predicts reuse.
+    it. History is kept for evicted experts too: it predicts reuse.
+
+    Ties go to the most recently routed expert. Equal decayed counts mean equal routing
+    histories, which at large batches is every expert of every layer, every forward: a
+    cyclic scan over the layers larger than the cache. Forwards walk the layers in order,
+    so of two experts with the same history the more recently routed one is needed again
+    last (Belady's choice); least-recent ties would evict each layer just before its next
+    use and hit nothing.
     """
 
     name = "activation"
@@ -94,7 +101,7 @@ class ActivationAware(LRU):
             counts[expert] = counts.get(expert, 0.0) + 1.0
 
     def score(self, key: ExpertKey) -> tuple:
-        return (self.activation.get(key[0], {}).get(key[1], 0.0), self.last_used.get(key, 0))
+        return (self.activation.get(key[0], {}).get(key[1], 0.0), -self.last_used.get(key, 0))
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {p.name: p for p in (LRU, LFU, ActivationAware)}

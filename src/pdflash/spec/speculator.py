@@ -207,20 +207,27 @@ class Speculator:
         self, drafts: list[DraftResult], routes: list[list[frozenset[ExpertKey]]]
     ) -> list[tuple[int, ...]]:
         """Per session, per block position k: the link bytes token k's route brought, measured (the
-        policy's byte estimate). An expert counts if it was not resident when the block was drafted
-        nor routed by the session's own tokens before k; one the batch's other sessions also routed
-        is shared: each of the n sessions that routed it is charged 1/n of its bytes, so the charges
-        of one batch add up to what the batch fetched (charging shared experts to nobody would make
-        every block look free in a large batch)."""
-        unions = [frozenset().union(*r) for r in routes]
-        sessions_using = Counter(e for union in unions for e in union)
+        policy's byte estimate). Only experts not resident when the block was drafted count, and
+        each once per session. The batch's first positions form its base: the union a round of
+        plain decoding would fetch anyway, charged 1/n to each of the n sessions whose first
+        token routed it. A later position pays only for what it adds beyond that base, shared
+        among the later positions (of any session) that routed it: speculating further is
+        priced by the bytes it adds to this round, not by the round's average. The charges of
+        one batch add up to what the batch fetched."""
+        firsts = [(own[0] - draft.resident) if own else frozenset() for draft, own in zip(drafts, routes, strict=True)]
+        base_users = Counter(e for first in firsts for e in first)
+        extensions = [
+            frozenset().union(*own[1:]) - draft.resident - base_users.keys()
+            for draft, own in zip(drafts, routes, strict=True)
+        ]
+        extension_users = Counter(e for extension in extensions for e in extension)
         out = []
-        for draft, own in zip(drafts, routes, strict=True):
-            seen: set[ExpertKey] = set()
-            positions = []
-            for route in own:
-                new = route - seen - draft.resident
-                positions.append(round(sum(self.expert_nbytes[e] / sessions_using[e] for e in new)))
+        for draft, own, first in zip(drafts, routes, firsts, strict=True):
+            positions = [round(sum(self.expert_nbytes[e] / base_users[e] for e in first))] if own else []
+            seen = set(own[0]) if own else set()
+            for route in own[1:]:
+                new = route - seen - draft.resident - base_users.keys()
+                positions.append(round(sum(self.expert_nbytes[e] / extension_users[e] for e in new)))
                 seen |= route
             out.append(tuple(positions))
         return out
