@@ -147,3 +147,20 @@ def test_every_tick_equals_the_pure_functions_over_plain_sets(stream):
             sched.mark_in_flight(seq_id)
         for seq_id in queue:
             skipped[seq_id] += 1
+
+
+def test_one_union_object_registered_by_two_demands_is_charged_and_forgotten_cleanly():
+    byte_map = {(0, e): 10 for e in range(8)}
+    shared = frozenset({(0, 0), (0, 1)})
+    sched = VerifyScheduler(token_budget=8, token_cap=8, byte_budget=20, byte_cap=40, byte_map=byte_map)
+    sched.register("a", 4, shared, 20)
+    sched.register("b", 4, shared, 20)
+    assert sched.tick(frozenset(), frozenset()).admitted_ids == ("a", "b")  # b's experts come with a's
+    sched.mark_in_flight("a")
+    sched.mark_in_flight("b")
+    sched.finish("b")
+    sched.finish("a")  # the second of two owners of one union object leaves too
+    sched.register("c", 4, frozenset({(0, 2), (0, 3)}), 20)
+    sched.register("d", 4, frozenset({(0, 2), (0, 4)}), 20)
+    out = sched.tick(frozenset(), UnionOf([shared]))  # a part no demand holds any more: built afresh
+    assert out.admitted_ids == ("c",) and out.carried == TokensBytes(4, 0)  # d would add (0, 4): 10 > 0 left

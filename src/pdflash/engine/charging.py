@@ -52,8 +52,8 @@ Rows = npt.NDArray[np.uint64]  # [n, words]: one set of experts per row, bit i =
 
 
 class UnionOf(Set[ExpertKey]):
-    """The union of several sets, not built: its mask is the or of theirs, so a batch's in-flight
-    union costs no set building (and the scheduler already holds its registered unions' masks)."""
+    """The union of several sets, not built: a batch's in-flight union costs no set building,
+    and a tick ors the rows it already holds for registered parts (pdflash.engine.demand_table)."""
 
     def __init__(self, parts: Iterable[Set[ExpertKey]]) -> None:
         self.parts = tuple(parts)
@@ -76,13 +76,13 @@ class UnionOf(Set[ExpertKey]):
 
 
 class ExpertMasks:
-    """Sets of experts as int bitmasks over one byte map: the marginal charge in big-int operations.
+    """Sets of experts as bits over one byte map: int masks (`mask`, `nbytes`) and rows of packed
+    64-bit words (`row`, `row_of`, `row_bytes`), the form a tick charges in.
 
     As sets, charging one pending union is a set difference over its experts (about 75 ms per
-    tick for 256 Qwen3-30B-A3B-sized unions of ~2,500 experts on one CPU core). As masks it is
-    an and-not and one popcount per distinct expert size; a union becomes a mask once, when its
-    verify is registered, and a row of packed words (`row`) so that a tick charges all its
-    unions in a few vectorized operations (`marginal_charges`; bench_admission.py times it).
+    tick for 256 Qwen3-30B-A3B-sized unions of ~2,500 experts on one CPU core). As rows, a
+    union is built once, when its verify is registered, and a tick charges all of them in a
+    few vectorized operations (`marginal_charges`; bench_admission.py times it).
     """
 
     SMALL = 64  # experts up to which or-ing single bits beats numpy's fixed cost
@@ -100,9 +100,7 @@ class ExpertMasks:
         self._size_rows = np.stack([self.row(members) for _, members in self._sizes])  # [classes, words]
 
     def mask(self, experts: Collection[ExpertKey]) -> int:
-        """The mask of `experts` (of each part, or-ed, for a `UnionOf`); KeyError for an expert the byte map lacks."""
-        if isinstance(experts, UnionOf):
-            return functools.reduce(operator.or_, map(self.mask, experts.parts), 0)
+        """The mask of `experts`; KeyError for an expert the byte map lacks."""
         if len(experts) <= self.SMALL:  # 3 µs for 36 experts, against 4 µs through numpy
             return functools.reduce(operator.or_, map(self._single.__getitem__, experts), 0)
         flags = np.zeros(len(self._bit), dtype=bool)
@@ -182,22 +180,6 @@ def marginal_charges(
     """
     np.bitwise_or.accumulate(stacked, axis=0, out=stacked)
     return np.diff(masks.row_bytes(stacked, scratch))
-
-
-def alone_bytes(
-    masks: ExpertMasks, union_masks: Sequence[int], resident: Set[ExpertKey], in_flight: Set[ExpertKey]
-) -> list[int]:
-    """Bytes each union adds to resident ∪ in flight on its own (not cumulative: the ordering's key)."""
-    covered = masks.row(masks.mask(resident) | masks.mask(in_flight))
-    rows = np.stack([masks.row(u) for u in union_masks]) if union_masks else np.zeros((0, masks.words), np.uint64)
-    return alone_row_bytes(masks, rows, covered).tolist()
-
-
-def alone_row_bytes(
-    masks: ExpertMasks, rows: Rows, covered: Rows, scratch: npt.NDArray[np.uint8] | None = None
-) -> npt.NDArray[np.int64]:
-    """[n] bytes each of `rows` ([n, words]) adds to `covered` ([words]) on its own; overwrites `rows`."""
-    return masks.row_bytes(without(rows, covered), scratch)
 
 
 def without(rows: Rows, covered: Rows) -> Rows:

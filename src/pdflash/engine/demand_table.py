@@ -76,7 +76,7 @@ class DemandTable:
     def _forget(self, slot: int) -> None:
         """`slot`'s union is no longer registered (unless another slot registered the same object since)."""
         key = self._union_ids.pop(slot, None)
-        if key is not None and self._unions[key][1] == slot:
+        if key is not None and self._unions.get(key, (None, EMPTY))[1] == slot:
             del self._unions[key]
 
     def uncovered(self, slots: Slots, covered: Rows) -> Rows:

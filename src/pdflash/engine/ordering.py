@@ -27,10 +27,6 @@ class OrderKey:
     alone_bytes: int  # bytes its union adds to resident ∪ in flight (as if it were admitted alone)
     skipped_ticks: int  # ticks that passed it over
 
-    @property
-    def tokens_per_byte(self) -> float:
-        return self.expected_tokens / self.alone_bytes if self.alone_bytes else float("inf")
-
 
 def offer_order(keys: Sequence[OrderKey], order: str, barrier_after: int) -> list[int]:
     """Indices into `keys` (given in arrival order) in the order a tick offers them."""
