@@ -12,7 +12,7 @@ from pdflash.spec.projection import ProjectionQuality
 from pdflash.spec.session import RoundTrace
 
 
-def trace(tokens: int, position_bytes: tuple[int, ...]) -> RoundTrace:
+def trace(tokens: int, position_bytes: tuple[int, ...], further: int = 0) -> RoundTrace:
     return RoundTrace(
         start=0,
         tokens=tokens,
@@ -22,6 +22,7 @@ def trace(tokens: int, position_bytes: tuple[int, ...]) -> RoundTrace:
         actual_bytes=sum(position_bytes),
         quality=ProjectionQuality(coverage=1.0, coverage_bytes=1.0, waste_bytes=0),
         position_fetch_bytes=position_bytes,
+        further_token_bytes=further,
     )
 
 
@@ -48,12 +49,13 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     seq = planner.track()
     assert planner.plan(seq) == 1 and planner.inputs(seq) is None  # nothing measured, bytes matter
     assert SpeculationPlanner("adaptive", 4, link_bytes_per_s=None).plan(seq) == 4  # resident
-    planner.observe_verify([trace(1, (1000,)), trace(1, (1000,))], 0.02)
+    planner.observe_verify([trace(1, (1000,), further=300), trace(1, (1000,), further=300)], 0.02)
     assert planner.inputs(seq).costs.draft_s == 0  # the drafter not yet measured costs nothing
     planner.observe_draft(2, 0.004)
-    planner.observe_verify([trace(4, (1000, 400)), trace(4, (1000, 400))], 0.02)
+    planner.observe_verify([trace(4, (1000, 400), further=300), trace(4, (1000, 400), further=300)], 0.02)
     inputs = planner.inputs(seq)
-    assert inputs.prefix_fetch_bytes == (1000, 1400, 1800, 2200)  # unmeasured positions: the last measured
+    # unmeasured positions cost what one more token would have added (the batch's leave-one-out)
+    assert inputs.prefix_fetch_bytes == (1000, 1400, 1700, 2000)
     assert inputs.costs.draft_s == pytest.approx(0.002) and inputs.costs.link_bytes_per_s == 1e6
     assert 1 <= planner.plan(seq) <= 4 and sum(planner.decisions.values()) == 2
 

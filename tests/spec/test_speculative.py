@@ -114,6 +114,10 @@ def test_later_positions_pay_only_for_what_they_add_beyond_the_batch_base(loaded
     assert first == (nbytes // 2, nbytes + nbytes // 2, 0)
     assert second == (nbytes // 2, nbytes // 2, nbytes)
     assert sum(first + second) == 4 * nbytes  # a, b, c, d: what the batch fetched
+    # one more token routed like its first would add nothing beyond the other's base (a), and alone
+    # it would add its first token's misses
+    assert spec._further_token_bytes(drafts, routes) == [0, 0]
+    assert spec._further_token_bytes(drafts[:1], routes[:1]) == [nbytes]
 
 
 def test_trained_like_drafter_accepts_more_than_one(loaded, drafter):

@@ -42,9 +42,9 @@ class EngineConfig:
     verify_byte_cap: int | None = None  # carried bytes at most; >= one block's largest union
     charge_mode: ChargeMode = attrs.field(default=ChargeMode.MARGINAL, converter=_charge_mode)
     barrier_after: int = 4  # skipped ticks before a demand becomes a barrier (starvation guard)
-    # how verify budgets are set: "fixed" (the four above), "derived" (from the link, the running
-    # verify and the cache: docs/engine.md), "token-only", or "auto": fixed when the four are
-    # given, derived when experts are offloaded, else token-only
+    # how verify budgets are set: "fixed" (the four above), "derived" (every seat's block per
+    # tick, carry capped at the cache: docs/engine.md), "token-only", or "auto": fixed when the
+    # four are given, derived when experts are offloaded, else token-only
     scheduling: str = "auto"
     # how far each round speculates (pdflash.spec.policy): "adaptive" picks each sequence's block
     # per round (1 = plain decoding, the drafter skipped); "fixed" always drafts the full block

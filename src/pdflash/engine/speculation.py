@@ -60,6 +60,7 @@ class SpeculationPlanner:
         self._draft_s: float | None = None  # drafter seconds per drafted sequence
         self._batch: float | None = None  # sequences per batched verify
         self._position_bytes: list[float | None] = [None] * max_block  # [B] EMA bytes each position adds
+        self._further_bytes: float | None = None  # EMA: what one more token would add (unmeasured positions)
         self.decisions: dict[int, int] = {}  # block length chosen -> rounds
 
     @property
@@ -100,10 +101,11 @@ class SpeculationPlanner:
         if fit is None or self._position_bytes[0] is None:
             return None
         fixed_s, token_s = fit
-        prefix, total, last = [], 0.0, 0.0
-        for measured in self._position_bytes:  # unmeasured positions cost what the last measured one did
-            last = measured if measured is not None else last
-            total += last
+        prefix, total = [], 0.0
+        further = self._further_bytes if self._further_bytes is not None else self._position_bytes[0]
+        assert further is not None  # position 0 is measured (checked above)
+        for measured in self._position_bytes:  # unmeasured positions: what one more token would have added
+            total += measured if measured is not None else further
             prefix.append(int(total))
         return PolicyInputs(
             acceptance=acceptance.estimate(),
@@ -123,6 +125,7 @@ class SpeculationPlanner:
         self._fit.observe(sum(t.tokens for t in traces), compute_s)
         self._batch = _ema(self._batch, float(len(traces)))
         for trace in traces:
+            self._further_bytes = _ema(self._further_bytes, float(trace.further_token_bytes))
             for k, nbytes in enumerate(trace.position_fetch_bytes[: self.max_block]):
                 self._position_bytes[k] = _ema(self._position_bytes[k], float(nbytes))
 

@@ -49,6 +49,7 @@ class RoundTrace:
     actual_bytes: int  # bytes of the union the verify routed
     quality: ProjectionQuality
     position_fetch_bytes: tuple[int, ...] = ()  # [tokens]: bytes each position's route added (measured)
+    further_token_bytes: int = 0  # what one more token would have added beyond the batch's base
 
 
 @attrs.frozen(kw_only=True)

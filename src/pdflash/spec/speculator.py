@@ -189,12 +189,13 @@ class Speculator:
         taps = out.split_taps()
         routes = [self._token_routes(r) for r in out.split(out.routed)]
         position_bytes = self._position_fetch_bytes(drafts, routes)
+        further = self._further_token_bytes(drafts, routes)
         logits = out.split(out.logits)
         choices = self._next_tokens(sessions, blocks, drafts, logits)
         return [
-            self._accept(s, block, choice, lg, routed, tap, share, positions)
-            for s, block, choice, lg, routed, tap, positions in zip(
-                sessions, blocks, choices, logits, out.split(out.routed), taps, position_bytes
+            self._accept(s, block, choice, lg, routed, tap, share, positions, more)
+            for s, block, choice, lg, routed, tap, positions, more in zip(
+                sessions, blocks, choices, logits, out.split(out.routed), taps, position_bytes, further
             )
         ]
 
@@ -231,6 +232,15 @@ class Speculator:
                 seen |= route
             out.append(tuple(positions))
         return out
+
+    def _further_token_bytes(self, drafts: list[DraftResult], routes: list[list[frozenset[ExpertKey]]]) -> list[int]:
+        """Per session: what one more token would have added beyond the rest of the batch's base, had
+        it routed like the session's first token (its experts no other session's first token routed,
+        not resident). The policy's price for block positions no verify has measured yet: at c = 1 a
+        whole token's misses, in a large batch almost nothing."""
+        firsts = [(own[0] - draft.resident) if own else frozenset() for draft, own in zip(drafts, routes, strict=True)]
+        base_users = Counter(e for first in firsts for e in first)
+        return [sum(self.expert_nbytes[e] for e in first if base_users[e] == 1) for first in firsts]
 
     def _next_tokens(
         self,
@@ -283,6 +293,7 @@ class Speculator:
         taps,
         verify_s: float,
         position_fetch_bytes: tuple[int, ...],
+        further_token_bytes: int,
     ) -> VerifyResult:
         accepted, next_token = choice
         kept, finish = s.rule.clip(len(s.emitted), block[1 : accepted + 1].tolist() + [next_token])
@@ -304,6 +315,7 @@ class Speculator:
             actual_bytes=union_bytes(actual, self.expert_nbytes),
             quality=ProjectionQuality.compare(pending.expert_union, actual, self.expert_nbytes),
             position_fetch_bytes=position_fetch_bytes,
+            further_token_bytes=further_token_bytes,
         )
         s.trace.append(trace)
         s.anchor, s.start = next_token, s.start + accepted + 1
