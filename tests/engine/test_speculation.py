@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from engine_cases import collect, drained
 from test_engine import GREEDY, PROMPTS, RecordingProvider
 
+from pdflash.engine.round_work import RoundWork
 from pdflash.engine.speculation import SpeculationPlanner, _ComputeFit
 from pdflash.sampling import SamplingParams
 from pdflash.spec.projection import ProjectionQuality
 from pdflash.spec.session import RoundTrace
+from pdflash.spec.speculator import Speculator
 
 
 def trace(tokens: int, position_bytes: tuple[int, ...], further: int = 0) -> RoundTrace:
@@ -119,3 +123,22 @@ async def test_a_seeded_sampled_request_keeps_the_whole_block_and_reproduces(mak
         for n in last.metrics.acceptance_lengths:
             emitted.append(emitted[-1] + n)
         assert last.metrics.block_sizes == tuple(min(block, 12 - e + 1) for e in emitted[:-1])
+
+
+def test_a_draft_that_first_catches_up_on_skipped_context_is_not_timed(loaded, drafter):
+    """After plain-decoding rounds the drafter first reads the target context it skipped: a one-off
+    cost that would make drafting every round look dearer than it is."""
+    spec = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes, projector="last-union")
+    planner = SpeculationPlanner("adaptive", spec.block_size, link_bytes_per_s=None)
+    work = RoundWork(spec, planner)
+    [session] = spec.begin_sessions([(PROMPTS[1], SamplingParams(max_tokens=40))])
+    seq = SimpleNamespace(session=session, planned_block=1)  # a Sequence stand-in: what the lane reads
+    while session.context is None or session.context.shape[0] <= spec.block_size:
+        work.draft_rounds([seq])  # plain rounds: the drafter skipped, its unseen context grows
+        spec.verify_rounds([session])
+    seq.planned_block = spec.block_size
+    work.draft_rounds([seq])
+    assert planner.draft_s == 0  # caught up, not timed
+    spec.verify_rounds([session])
+    work.draft_rounds([seq])
+    assert planner.draft_s > 0  # a steady draft is

@@ -88,6 +88,7 @@ class VerifyPacer:
         self._changed = anyio.Event()  # a demand registered, or a batch ended
         self._running: list[Sequence] = []  # the batch on the lane now
         self._next: list[Sequence] = []  # admitted by a tick, prefetching, not yet launched
+        self._ended_at = 0.0  # perf_counter s when the last verify ended (its sequences draft from then)
 
     def changed(self) -> None:
         """A sequence registered (or withdrew) a demand: the pacer may tick."""
@@ -162,7 +163,8 @@ class VerifyPacer:
         assert self.provider is not None
         prefetching = frozenset().union(*(s.draft.expert_union for s in batch if s.draft is not None))
         copying_s = self.speculator.union_bytes(prefetching - self.provider.resident()) / link
-        drafts_due = max(s.drafted_at for s in waiting) + coming * self.planner.draft_s
+        drafting_since = max(self._ended_at, *(s.drafted_at for s in waiting))
+        drafts_due = drafting_since + coming * self.planner.draft_s
         return max(0.0, copying_s, drafts_due - time.perf_counter())
 
     async def _launch(self, batch: list[Sequence]) -> None:
@@ -196,7 +198,8 @@ class VerifyPacer:
             log.exception("a batched verify of %d sequences failed outside its rounds", len(batch))
             outcomes = [error] * len(batch)
         finally:
-            elapsed = time.perf_counter() - started
+            self._ended_at = time.perf_counter()
+            elapsed = self._ended_at - started
             done.set()
             self._changed.set()
         for seq, outcome in zip(batch, outcomes, strict=True):
