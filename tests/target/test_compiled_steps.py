@@ -20,7 +20,7 @@ from pdflash.spec.draft_steps import DraftSteps
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator, speculative_generate
 from pdflash.spec.step_install import install_steps
-from pdflash.target.compiled import StepBuckets, TargetSteps, bucket_of
+from pdflash.target.compiled import StepBuckets, TargetSteps, bucket_of, transposed
 from pdflash.target.generate import generate_autoregressive
 from pdflash.target.loader import load_target
 
@@ -193,5 +193,16 @@ def test_install_steps_buckets_follow_the_drafter_and_the_seats(bundled):
         assert loaded.model.steps.buckets == StepBuckets(batch=(1, 2, 4), tokens=(1, 8))
         assert drafter.steps.buckets == StepBuckets(batch=(1, 2, 4), tokens=(8,))
         assert set(seconds) == {"target", "drafter"}
+        # the bundled drafter shares the target's head: one transposed copy serves both steps
+        assert drafter.lm_head.data_ptr() == loaded.model.lm_head.data_ptr()
+        assert drafter.steps._lm_head_t is loaded.model.steps.lm_head_t
     finally:
         loaded.model.steps = drafter.steps = None
+
+
+def test_transposed_weights_are_contiguous_copies_on_the_cpu():
+    weight = torch.randn(6, 4)  # [out, in]
+    weight_t = transposed(weight)
+    assert weight_t.shape == (4, 6) and weight_t.is_contiguous()
+    assert weight_t.data_ptr() != weight.data_ptr()
+    assert torch.equal(weight_t, weight.t())

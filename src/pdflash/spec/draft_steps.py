@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from pdflash.target.compiled import KEY_QUANTUM, StepBuckets, bucket_of, compile_step, log
+from pdflash.target.compiled import KEY_QUANTUM, StepBuckets, bucket_of, compile_step, log, transposed
 from pdflash.target.kv_cache import KVCache, gather_past, store_new
 from pdflash.target.model import rms_norm
-from pdflash.target.steps import dense_mlp, masked_attention
+from pdflash.target.steps import dense_mlp, linear, masked_attention
 
 if TYPE_CHECKING:
     from pdflash.spec.drafter import DFlashDrafter
@@ -38,12 +38,13 @@ def draft_step(
     past_k: torch.Tensor,  # [L, B, kv, S, D]
     past_v: torch.Tensor,  # [L, B, kv, S, D]
     embed: torch.Tensor,  # [V, H]
-    lm_head: torch.Tensor,  # [V, H]
-    fc: torch.Tensor,  # [H, n_taps*H]
+    lm_head_t: torch.Tensor,  # [H, V]
+    fc_t: torch.Tensor,  # [n_taps*H, H]
     hidden_norm: torch.Tensor,  # [H]
     norm: torch.Tensor,  # [H]
     inv_freq: torch.Tensor,  # [D/2] float32
-    # per layer: input_norm, post_norm, q, kv, o, q_norm, k_norm, gate, up, down, q/kv/o bias (None: no bias)
+    # per layer: input_norm, post_norm, q, kv, o, q_norm, k_norm, gate, up, down, q/kv/o bias (None: no bias),
+    # every linear weight transposed ([in, out], `transposed`)
     layers: tuple[tuple[Any, ...], ...],
     *,
     rope_scale: float,
@@ -59,7 +60,7 @@ def draft_step(
     B, c, _ = ctx.shape
     b, S, D = block_ids.shape[1], past_k.shape[3], past_k.shape[4]
     kv = past_k.shape[2]
-    ctx_h = rms_norm(F.linear(ctx, fc), hidden_norm, eps)  # [B, c, H]
+    ctx_h = rms_norm(linear(ctx, fc_t), hidden_norm, eps)  # [B, c, H]
     x = F.embedding(block_ids, embed) * embedding_scale  # [B, b, H]
     rows = torch.arange(max(c, b, S), device=ctx.device)
     ctx_pos = lengths[:, None] + rows[:c]  # [B, c]
@@ -84,19 +85,19 @@ def draft_step(
     for index, weights in enumerate(layers):
         input_norm, post_norm, q_proj, kv_proj, o_proj, q_norm, k_norm, gate, up, down, q_b, kv_b, o_b = weights
         h = rms_norm(x, input_norm, eps)
-        q = rms_norm(F.linear(h, q_proj, q_b).view(B, b, num_heads, D), q_norm, eps)
-        k, v = F.linear(torch.cat([ctx_h, h], dim=1), kv_proj, kv_b).view(B, c + b, 2, kv, D).unbind(2)
+        q = rms_norm(linear(h, q_proj, q_b).view(B, b, num_heads, D), q_norm, eps)
+        k, v = linear(torch.cat([ctx_h, h], dim=1), kv_proj, kv_b).view(B, c + b, 2, kv, D).unbind(2)
         k = _rotate(rms_norm(k, k_norm, eps).transpose(1, 2), cos, sin)  # [B, kv, c+b, D]
         v = v.transpose(1, 2)  # [B, kv, c+b, D]
         q = _rotate(q.transpose(1, 2), cos[:, c:], sin[:, c:])  # [B, heads, b, D]
         visible = masks[(causal[index], window[index])]
         attn = masked_attention(q, (past_k[index], past_v[index]), (k, v), visible)  # [B, b, heads*D]
-        x = x + F.linear(attn, o_proj, o_b)
+        x = x + linear(attn, o_proj, o_b)
         hn = rms_norm(x, post_norm, eps)
         x = x + dense_mlp(hn.view(B * b, -1), gate, up, down).view(B, b, -1)
         new_k.append(k[:, :, :c])
         new_v.append(v[:, :, :c])
-    logits = F.linear(rms_norm(x, norm, eps), lm_head).float() * output_multiplier  # [B, b, V]
+    logits = linear(rms_norm(x, norm, eps), lm_head_t).float() * output_multiplier  # [B, b, V]
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return logits, torch.stack(new_k), torch.stack(new_v)
@@ -111,7 +112,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class DraftSteps:
     """Runs `DFlashDrafter.draft_logits` through the padded step when contexts and blocks fit a bucket."""
 
-    def __init__(self, drafter: DFlashDrafter, buckets: StepBuckets, *, compiled: bool = True) -> None:
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        buckets: StepBuckets,
+        *,
+        compiled: bool = True,
+        lm_head_t: torch.Tensor | None = None,  # the target steps' transposed head, when the drafter shares it
+    ) -> None:
         self.drafter, self.buckets, self.compiled = drafter, buckets, compiled
         cfg = drafter.config
         device = drafter.embed.device
@@ -129,9 +137,12 @@ class DraftSteps:
         )
         self._inv_freq = drafter.rotary.inv_freq.to(device)
         self._layers = tuple(
-            (w.input_norm, w.post_attention_norm, w.q_proj, w.kv_proj, w.o_proj, w.q_norm, w.k_norm, *w.mlp, *w.biases)
+            (w.input_norm, w.post_attention_norm, *map(transposed, (w.q_proj, w.kv_proj, w.o_proj)), w.q_norm,
+             w.k_norm, *map(transposed, w.mlp), *w.biases)
             for w in drafter.layers
-        )
+        )  # fmt: skip
+        self._lm_head_t = transposed(drafter.lm_head) if lm_head_t is None else lm_head_t  # [H, V]
+        self._fc_t = transposed(drafter.fc)
         self.fallbacks: Counter[str] = Counter()
         self.warm_up_s = 0.0
 
@@ -190,7 +201,7 @@ class DraftSteps:
 
         logits, new_k, new_v = self._step(
             ctx, column(ctx_rows), ids.to(device), column(block_rows), column(lengths), past_k, past_v,
-            d.embed, d.lm_head, d.fc, d.hidden_norm, d.norm, self._inv_freq, self._layers,
+            d.embed, self._lm_head_t, self._fc_t, d.hidden_norm, d.norm, self._inv_freq, self._layers,
         )  # fmt: skip
         store_new(caches, ctx_rows, new_k, new_v, commit=True)
         return [logits[row, 1:n].clone() for row, n in enumerate(block_rows)]

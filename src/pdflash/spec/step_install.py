@@ -46,7 +46,11 @@ def install_steps(
     if speculator.drafter is not None:
         drafter = speculator.drafter
         draft_buckets = StepBuckets(batch=buckets.batch, tokens=(speculator.block_size,))
-        drafter.steps = DraftSteps(drafter, draft_buckets, compiled=compiled)
+        shared = (
+            drafter.lm_head.data_ptr() == target.lm_head.data_ptr() and drafter.lm_head.shape == target.lm_head.shape
+        )
+        lm_head_t = target.steps.lm_head_t if shared else None  # one transposed copy, read warm by both
+        drafter.steps = DraftSteps(drafter, draft_buckets, compiled=compiled, lm_head_t=lm_head_t)
         torch.set_num_threads(drafter_threads or target_threads)
         seconds["drafter"] = drafter.steps.warm_up(progress=progress)
     return seconds

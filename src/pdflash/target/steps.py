@@ -4,9 +4,15 @@ A step runs n new tokens for each of B padded sequences: shapes depend only on (
 key length S of the gathered past, never on the data. Attention reads the past K/V [B, kv, S, D]
 plus the new block under a `visible` mask (a past key is visible below the sequence's length,
 a new key causally), so padded rows and stale cache rows never reach a real token. Experts are
-computed from a wave's slot weights in one of two static forms: each assignment's weights
-gathered into a fused reduction (few assignments), or every slot as one dense matmul weighted by
-the routing (many). A slot map of -1 skips an expert, so offloaded waves run unchanged.
+computed from a wave's slot weights gathered per assignment into fused reductions: T*K expert
+slices read, each distinct one from memory once (the rest from cache), where a dense matmul
+over every slot would read all E experts; on the CPU the step is memory-bound, so this is the
+faster form at every bucket measured (docs/compile.md). A slot map of -1 skips an expert, so
+offloaded waves run unchanged.
+
+Linear weights come transposed, [in, out] (`transposed` in compiled.py): on the CPU a
+row-major [in, out] weight is stored contiguous, which MKL's small-M GEMM streams about twice
+as fast from memory as the usual [out, in] (measured cold, docs/compile.md).
 
 Pure tensor functions with shape comments; no caches, providers or Python loops over tokens.
 """
@@ -19,6 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from pdflash.target.model import rms_norm
+
+
+def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight_t [in, out] (+ bias [out]): a linear layer over a transposed weight."""
+    y = x @ weight_t
+    return y if bias is None else y + bias
 
 
 def step_inputs(
@@ -78,14 +90,14 @@ def attention_step(
     past_k: torch.Tensor,  # [B, kv, S, D]
     past_v: torch.Tensor,  # [B, kv, S, D]
     input_norm: torch.Tensor,  # [H]
-    qkv_proj: torch.Tensor,  # [(heads + 2*kv)*D, H]
+    qkv_t: torch.Tensor,  # [H, (heads + 2*kv)*D]
     qkv_bias: torch.Tensor | None,
-    o_proj: torch.Tensor,  # [H, heads*D]
+    o_t: torch.Tensor,  # [heads*D, H]
     o_bias: torch.Tensor | None,
     q_norm: torch.Tensor,  # [D]
     k_norm: torch.Tensor,  # [D]
     post_norm: torch.Tensor,  # [H]
-    router: torch.Tensor | None,  # [E, H] for a MoE layer, None for a dense one
+    router_t: torch.Tensor | None,  # [H, E] for a MoE layer, None for a dense one
     *,
     num_heads: int,
     eps: float,
@@ -99,15 +111,15 @@ def attention_step(
     kv, D = past_k.shape[1], past_k.shape[3]
     entering = x + mlp_out.view(B, n, H).to(x.dtype)
     h = rms_norm(entering, input_norm, eps)
-    q, k, v = F.linear(h, qkv_proj, qkv_bias).split([num_heads * D, kv * D, kv * D], dim=-1)
+    q, k, v = linear(h, qkv_t, qkv_bias).split([num_heads * D, kv * D, kv * D], dim=-1)
     q = rotate(rms_norm(q.view(B, n, num_heads, D), q_norm, eps).transpose(1, 2), cos, sin)  # [B, heads, n, D]
     k = rotate(rms_norm(k.view(B, n, kv, D), k_norm, eps).transpose(1, 2), cos, sin)  # [B, kv, n, D]
     v = v.view(B, n, kv, D).transpose(1, 2)  # [B, kv, n, D]
-    x = entering + F.linear(masked_attention(q, (past_k, past_v), (k, v), visible), o_proj, o_bias)
+    x = entering + linear(masked_attention(q, (past_k, past_v), (k, v), visible), o_t, o_bias)
     h = rms_norm(x, post_norm, eps).view(B * n, H)
-    if router is None:
+    if router_t is None:
         return entering, x, h, k, v
-    probs = torch.softmax(F.linear(h, router), dim=-1, dtype=torch.float32)  # [B*n, E]
+    probs = torch.softmax(linear(h, router_t), dim=-1, dtype=torch.float32)  # [B*n, E]
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [B*n, K]
     if norm_topk:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
@@ -123,7 +135,7 @@ def gathered_experts(
     up: torch.Tensor,  # [S, I, H]
     down: torch.Tensor,  # [S, H, I]
 ) -> torch.Tensor:
-    """Few assignments: each one's slot weights read inside fused reductions -> [T, H] float32."""
+    """Each assignment's slot weights read inside fused reductions -> [T, H] float32."""
     slot = slot_of_expert[topk_ids]  # [T, K]
     weight = torch.where(slot >= 0, topk_weights, 0.0)  # [T, K] absent experts add nothing
     slot = slot.clamp(min=0)
@@ -133,43 +145,23 @@ def gathered_experts(
     return (y.float() * weight[..., None]).sum(1)
 
 
-def dense_experts(
-    h: torch.Tensor,  # [T, H]
-    topk_ids: torch.Tensor,  # [T, K] int64
-    topk_weights: torch.Tensor,  # [T, K] float32
-    slot_of_expert: torch.Tensor,  # [E] int64, -1 = not in this wave
-    gate: torch.Tensor,  # [S, I, H]
-    up: torch.Tensor,  # [S, I, H]
-    down: torch.Tensor,  # [S, H, I]
-) -> torch.Tensor:
-    """Many assignments: every slot for every token in three matmuls, weighted by routing -> [T, H] float32."""
-    S, I, H = gate.shape
-    T = h.shape[0]
-    slot = slot_of_expert[topk_ids]  # [T, K]
-    slot = torch.where(slot >= 0, slot, S)  # absent experts land in a dropped column
-    weight = torch.zeros((T, S + 1), dtype=torch.float32, device=h.device).scatter_add(1, slot, topk_weights)[:, :S]
-    act = F.silu(h @ gate.view(S * I, H).T) * (h @ up.view(S * I, H).T)  # [T, S*I]
-    act = act.view(T, S, I) * weight[..., None].to(h.dtype)  # [T, S, I]
-    return torch.bmm(act.transpose(0, 1), down.transpose(1, 2)).float().sum(0)  # [T, H]
-
-
-def dense_mlp(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """A dense (mlp_only) layer's SwiGLU: h [T, H] -> [T, H]."""
-    return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+def dense_mlp(h: torch.Tensor, gate_t: torch.Tensor, up_t: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU over transposed weights (gate_t, up_t [H, I], down_t [I, H]): h [T, H] -> [T, H]."""
+    return linear(F.silu(linear(h, gate_t)) * linear(h, up_t), down_t)
 
 
 def head_step(
     x: torch.Tensor,  # [B, n, H]
     mlp_out: torch.Tensor,  # [B*n, H] the last layer's MLP output
     final_norm: torch.Tensor,  # [H]
-    lm_head: torch.Tensor,  # [V, H]
+    lm_head_t: torch.Tensor,  # [H, V]
     *,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The last residual stream [B, n, H] and float32 logits [B, n, V]."""
     B, n, H = x.shape
     x = x + mlp_out.view(B, n, H).to(x.dtype)
-    return x, F.linear(rms_norm(x, final_norm, eps), lm_head).float()
+    return x, linear(rms_norm(x, final_norm, eps), lm_head_t).float()
 
 
 def whole_step(
@@ -180,16 +172,15 @@ def whole_step(
     embed: torch.Tensor,  # [V, H]
     inv_freq: torch.Tensor,  # [D/2] float32
     layers: tuple[tuple[Any, ...], ...],  # per layer: attention_step's weights, in its order (None: no bias)
-    mlps: tuple[tuple[torch.Tensor, ...], ...],  # per layer: (gate, up, down) experts [E, ...] or dense [I, H] ...
+    mlps: tuple[tuple[torch.Tensor, ...], ...],  # per layer: (gate, up, down) experts [E, ...] or dense_mlp's
     final_norm: torch.Tensor,  # [H]
-    lm_head: torch.Tensor,  # [V, H]
+    lm_head_t: torch.Tensor,  # [H, V]
     *,
     rope_scale: float,
     num_heads: int,
     eps: float,
     top_k: int,
     norm_topk: bool,
-    gathered: bool,  # expert form: gathered (few assignments) or dense (many)
 ) -> tuple[torch.Tensor, ...]:
     """Every layer in one graph, all experts resident (slot e holds expert e): (logits [B, n, V]
     float32, new keys and values [L, B, kv, n, D], each layer's output [L, B, n, H], topk_ids
@@ -197,7 +188,6 @@ def whole_step(
     x, cos, sin, visible = step_inputs(ids, lengths, past_k, embed, inv_freq, rope_scale)
     B, n, H = x.shape
     mlp_out = torch.zeros((B * n, H), dtype=torch.float32, device=x.device)
-    experts = gathered_experts if gathered else dense_experts
     new_k, new_v, outputs, routed = [], [], [], []
     for layer, (weights, mlp) in enumerate(zip(layers, mlps)):
         outs = attention_step(
@@ -215,8 +205,8 @@ def whole_step(
         topk_ids, topk_weights = outs[5:]
         routed.append(topk_ids)
         identity = torch.arange(mlp[0].shape[0], device=x.device)  # [E]
-        mlp_out = experts(h, topk_ids, topk_weights, identity, *mlp)
-    x, logits = head_step(x, mlp_out, final_norm, lm_head, eps=eps)
+        mlp_out = gathered_experts(h, topk_ids, topk_weights, identity, *mlp)
+    x, logits = head_step(x, mlp_out, final_norm, lm_head_t, eps=eps)
     outputs.append(x)
     routed_ids = torch.stack(routed, dim=1) if routed else topk_ids_none(B * n, top_k, x.device)
     return logits, torch.stack(new_k), torch.stack(new_v), torch.stack(outputs), routed_ids
