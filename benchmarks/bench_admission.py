@@ -1,5 +1,7 @@
-"""Micro-benchmark of verify admission: admit_verify_demands over N pending demands, and the
-marginal byte charge that a 2-D tick computes first (Qwen3-30B-A3B routing shapes).
+"""Micro-benchmark of verify admission (Qwen3-30B-A3B routing shapes): a whole
+`VerifyScheduler.tick` over N pending demands (marginal charges against resident ∪ in flight
+∪ the earlier candidates, ordering, the pure admission, the hand-out), its parts alone
+(admit_verify_demands, charge_bytes) and one union's mask, built once at registration.
 
     PYTHONPATH=src python benchmarks/bench_admission.py [--pending 256] [--repeats 2000]
 """
@@ -14,7 +16,8 @@ import statistics
 import time
 
 from pdflash.engine.admission import ZERO, TokensBytes, VerifyDemand, admit_verify_demands
-from pdflash.engine.charging import ChargeMode, ExpertMasks, charge_bytes
+from pdflash.engine.charging import ChargeMode, ExpertMasks, UnionOf, charge_bytes
+from pdflash.engine.scheduler import VerifyScheduler
 
 LAYERS, EXPERTS, TOP_K, BLOCK = 48, 128, 8, 8  # Qwen3-30B-A3B, DFlash block of 8
 EXPERT_BYTES = 9_437_184  # one bf16 expert (3 x 2048 x 768 x 2 bytes)
@@ -54,11 +57,49 @@ def routed_union(rng: random.Random) -> frozenset:
     )
 
 
+def scheduler_tick_us(order: str, pending: list, seated: list, resident: frozenset, args, rng: random.Random) -> tuple:
+    """Median µs of a first tick (fresh scheduler: the resident row built whole) and median and
+    fastest µs of the ticks after it (the resident set drifting by 64 experts a tick, admitted demands
+    re-registered between ticks, outside the timing), as the engine's pacer runs them."""
+    byte_map = {(layer, e): EXPERT_BYTES for layer in range(LAYERS) for e in range(EXPERTS)}
+    firsts, nexts = [], []
+    for _ in range(args.tick_schedulers):
+        sched = VerifyScheduler(
+            token_budget=16 * BLOCK,
+            token_cap=8192,
+            byte_budget=200 * EXPERT_BYTES,
+            byte_cap=10**13,
+            byte_map=byte_map,
+            order=order,
+        )
+        for i, p in enumerate(seated):  # the running batch: admitted, in flight, seated every tick
+            sched.register(("running", i), BLOCK, p.union, p.full_bytes, p.fetch_bytes)
+        sched.tick(frozenset(byte_map))  # all resident: they are admitted at no bytes
+        for i in range(len(seated)):
+            sched.mark_in_flight(("running", i))
+        for i, p in enumerate(pending):
+            sched.register(i, BLOCK, p.union, p.full_bytes, p.fetch_bytes, expected_tokens=1 + i % 5)
+        in_flight = UnionOf(p.union for p in seated)
+        here = resident
+        for t in range(args.ticks):
+            start = time.perf_counter()
+            out = sched.tick(here, in_flight)
+            (firsts if t == 0 else nexts).append(time.perf_counter() - start)
+            for seq_id in out.admitted_ids:  # back in line, re-drafted: 256 pending every tick
+                sched.finish(seq_id)
+                sched.register(seq_id, BLOCK, pending[seq_id].union, pending[seq_id].full_bytes)
+            gone = rng.sample(sorted(here), 64)
+            here = (here - frozenset(gone)) | frozenset(rng.sample(sorted(byte_map), 64))
+    return statistics.median(firsts) * 1e6, statistics.median(nexts) * 1e6, min(nexts) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pending", type=int, default=256, help="pending demands per tick (default 256)")
     parser.add_argument("--repeats", type=int, default=2000, help="timed repeats per case (default 2000)")
     parser.add_argument("--charge-repeats", type=int, default=20, help="timed repeats of the byte charge (default 20)")
+    parser.add_argument("--tick-schedulers", type=int, default=5, help="fresh schedulers per tick timing (default 5)")
+    parser.add_argument("--ticks", type=int, default=40, help="ticks per scheduler (default 40)")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -86,16 +127,28 @@ def main() -> None:
         lambda: charge_bytes(pending, ChargeMode.MARGINAL, masks, resident, frozenset(), union_masks=unions),
         args.charge_repeats,
     )
-    mask_us = median_us(lambda: masks.mask(pending[0].union), args.charge_repeats)
+    mask_us = median_us(lambda: masks.mask(set(pending[0].union)), args.charge_repeats)  # a set: not memoized
     fresh_us = median_us(
         lambda: charge_bytes(pending, ChargeMode.MARGINAL, byte_map, resident, frozenset()), args.charge_repeats
     )
     print(
-        f"marginal charge of a tick, {shape}, union masks kept across ticks: {tick_us:10.1f} us median  "
+        f"charge_bytes marginal, {shape}, int masks kept (rows stacked per call): {tick_us:10.1f} us median  "
         f"(x{tick_us / base:.1f} the admission)"
     )
-    print(f"  one union's mask, built once when its verify is first charged:   {mask_us:10.1f} us median")
+    print(f"  one union's mask, built once when its verify is registered:      {mask_us:10.1f} us median")
     print(f"  charge_bytes marginal (every mask built afresh):                  {fresh_us:10.1f} us median")
+
+    seated = [Pending(routed_union(rng)) for _ in range(8)]
+    print(
+        f"VerifyScheduler.tick, {shape}, 8 running verifies seated (their union in flight), "
+        f"budget {16 * BLOCK} tokens / 200 experts:"
+    )
+    for order in ("arrival", "yield"):
+        first, nxt, fastest = scheduler_tick_us(order, pending, seated, resident, args, rng)
+        print(
+            f"  order {order:8s}: first tick {first:8.1f} us median, "
+            f"next ticks {nxt:8.1f} us median ({fastest:.1f} us fastest)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Small measurement formulas shared by every report: decode rate and nearest-rank percentiles.
+"""Small measurement formulas shared by every report: decode rate, nearest-rank percentiles,
+overlap of two timelines and the busy time of several (`BusyClock`).
 
 Owns the arithmetic only; callers own their clocks and samples.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 
@@ -35,3 +37,32 @@ def overlap_s(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]
         else:
             j += 1
     return total
+
+
+class BusyClock:
+    """Seconds during which at least one of several activities ran: the length of the union of
+    their busy intervals, kept as they run (threads call `enter` / `leave` with their own clock
+    readings), so no interval log is needed however long the run."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0  # activities running now
+        self._since = 0.0  # seconds: when the current busy stretch began
+        self._busy_s = 0.0  # seconds: closed busy stretches
+
+    def enter(self, now_s: float) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = now_s
+            self._active += 1
+
+    def leave(self, now_s: float) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._busy_s += now_s - self._since
+
+    def busy_s(self, now_s: float) -> float:
+        """Busy seconds up to `now_s` (an open stretch counted up to it)."""
+        with self._lock:
+            return self._busy_s + (now_s - self._since if self._active else 0.0)

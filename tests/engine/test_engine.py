@@ -97,6 +97,9 @@ class RecordingProvider:
     def copy_intervals(self):
         return []
 
+    def watch_busy(self, clock):  # it copies nothing
+        pass
+
     def stats(self):
         return {"prefetches": len(self.prefetched), "claims": len(self.claims)}
 

@@ -71,6 +71,24 @@ async def test_one_group_drafts_while_the_other_verifies(make_engine, reference)
 
 
 @pytest.mark.asyncio
+async def test_busy_time_counts_overlapping_drafts_and_verifies_once(make_engine):
+    async with make_engine(speculation="fixed") as engine:
+        spec = engine.speculator
+        spec.verify_rounds = slowed(spec.verify_rounds, 0.02)
+        spec.draft_rounds = slowed(spec.draft_rounds, 0.02)
+        started = time.perf_counter()
+        await run_staggered(engine, PROMPTS, PROMPTS[::-1])
+        wall = time.perf_counter() - started
+        running = engine._running
+        assert running is not None and running.drafter is not None
+        both = overlap_s(running.drafter.intervals, running.target.intervals)
+        stats = await drained(engine)
+    assert both > 0.05  # the lanes overlapped: their sum (model_s) counts that twice
+    assert stats.busy_s == pytest.approx(stats.model_s - both, abs=1e-6)  # |T ∪ D| = T + D - T ∩ D
+    assert stats.busy_s <= wall
+
+
+@pytest.mark.asyncio
 async def test_the_next_batch_is_admitted_against_the_running_union_and_fetched_meanwhile(
     loaded, drafter, tiny_target, offloaded, reference
 ):

@@ -40,6 +40,9 @@ class Traffic:
     miss_bytes: int
     exposed_fetch_s: float  # time forwards waited for experts
     model_s: float  # time in model forwards (waits included)
+    # wall time with a forward or an expert copy running, each instant counted once (the engine's
+    # EngineStats.busy_s); a simulated run gives its forwards' time (model_s)
+    busy_s: float = attrs.field(default=attrs.Factory(lambda self: self.model_s, takes_self=True))
 
 
 @attrs.frozen(kw_only=True)
@@ -63,7 +66,7 @@ class PointResult:
     admission_wait_p50_ms: float  # per request: its mean wait per round
     admission_wait_p99_ms: float
     fairness: float  # Jain's index over per-request token rates
-    engine_overhead: float  # share of wall outside model forwards and copies
+    engine_overhead: float  # share of wall with neither a forward nor an expert copy running: 1 - busy / wall
     extra: dict = attrs.field(factory=dict)  # run-specific notes (time scale, budgets, source)
 
     def as_dict(self) -> dict:
@@ -125,6 +128,6 @@ def summarise(
         admission_wait_p50_ms=1e3 * percentile(waits, 0.5),
         admission_wait_p99_ms=1e3 * percentile(waits, 0.99),
         fairness=jain(rates),
-        engine_overhead=max(0.0, 1 - traffic.model_s / wall_s) if wall_s else math.nan,
+        engine_overhead=max(0.0, 1 - traffic.busy_s / wall_s) if wall_s else math.nan,  # busy may end just after wall
         extra=dict(extra),
     )

@@ -158,6 +158,7 @@ def _traffic(engine: AsyncEngine) -> Traffic:
         miss_bytes=p.get("miss_bytes", 0),
         exposed_fetch_s=p.get("exposed_fetch_s", 0.0),
         model_s=stats.model_s,
+        busy_s=stats.busy_s,
     )
 
 

@@ -2,15 +2,19 @@
 
 Owns the (tokens, expert bytes) value type every budget, cap, carried deficit and pool is
 written in, the one-tick admission function and its input checks, including the liveness
-rule that a cap must hold the largest single demand. Pure: no I/O, no mutation, no clock;
+rule that a cap must hold the largest single demand, and its first-fit rule over a line given
+as columns (`first_fit`, which the scheduler calls with inputs it checked at registration). Pure: no I/O, no mutation, no clock;
 the ticket scheduler (pdflash.engine.scheduler) owns order, tickets and the carry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+import itertools
+from collections.abc import Hashable, Iterable, Sequence
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 
 @attrs.frozen
@@ -68,25 +72,51 @@ def admit_verify_demands(
     _validate(demands, budget, carried, cap, barrier_after)
 
     seated = [d for d in demands if d.in_flight]
-    pool_tokens = budget.tokens + carried.tokens - sum(d.tokens for d in seated)
-    pool_bytes = budget.expert_bytes + carried.expert_bytes - sum(d.expert_bytes for d in seated)
-
-    admitted = []
-    for d in demands:
-        if d.in_flight:
-            continue
-        if d.tokens <= pool_tokens and d.expert_bytes <= pool_bytes:
-            admitted.append(d.seq_id)
-            pool_tokens -= d.tokens
-            pool_bytes -= d.expert_bytes
-        elif d.skipped_ticks >= barrier_after:
-            break  # starvation guard: the pool is saved for this demand
-
+    line = [d for d in demands if not d.in_flight]
+    picked, pool_tokens, pool_bytes = first_fit(
+        [d.tokens for d in line],
+        [d.expert_bytes for d in line],
+        [d.skipped_ticks for d in line],
+        budget.tokens + carried.tokens - sum(d.tokens for d in seated),
+        budget.expert_bytes + carried.expert_bytes - sum(d.expert_bytes for d in seated),
+        barrier_after,
+    )
     return VerifyAdmission(
         seated_ids=tuple(d.seq_id for d in seated),
-        admitted_ids=tuple(admitted),
+        admitted_ids=tuple(line[i].seq_id for i in picked),
         carried=TokensBytes(pool_tokens, pool_bytes).clamped(cap),
     )
+
+
+def first_fit(
+    tokens: Sequence[int] | npt.NDArray[np.int64],
+    expert_bytes: Sequence[int] | npt.NDArray[np.int64],
+    skipped_ticks: Sequence[int] | npt.NDArray[np.int64],
+    pool_tokens: int,
+    pool_bytes: int,
+    barrier_after: int,
+) -> tuple[list[int], int, int]:
+    """The admission rule over a line given as columns ([n] each, in order, none seated; values
+    below 2**62): indices of the demands admitted first-fit while they fit the pool in BOTH
+    dimensions, stopping at a barrier (skipped `barrier_after` times and not fitting), and the
+    pool left over (unclamped). Inputs are not checked: `admit_verify_demands` checks them."""
+    if isinstance(tokens, np.ndarray):  # a long line (the scheduler's): look only where it can matter
+        t, b, s = tokens, np.asarray(expert_bytes), np.asarray(skipped_ticks)
+        # The pool only shrinks: a demand that does not fit it now never will, so only the ones that
+        # fit now and the guarded ones (the possible barriers) need a look, in order.
+        look = np.flatnonzero(((t <= pool_tokens) & (b <= pool_bytes)) | (s >= barrier_after))
+        line = zip(look.tolist(), t[look].tolist(), b[look].tolist(), s[look].tolist())
+    else:
+        line = zip(itertools.count(), tokens, expert_bytes, skipped_ticks)
+    admitted = []
+    for i, ti, bi, si in line:
+        if ti <= pool_tokens and bi <= pool_bytes:
+            admitted.append(i)
+            pool_tokens -= ti
+            pool_bytes -= bi
+        elif si >= barrier_after:
+            break  # starvation guard: the pool is saved for this demand
+    return admitted, pool_tokens, pool_bytes
 
 
 def require_fits_cap(cap_name: str, cap: int, size: int, what: str) -> None:

@@ -40,6 +40,7 @@ from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.engine.stats import EngineStats, Totals, engine_stats
 from pdflash.engine.ticket import AdmissionCancelled, Ticket
 from pdflash.errors import EngineClosedError, EngineOverloadedError
+from pdflash.measure import BusyClock
 from pdflash.sampling import SamplingParams
 from pdflash.spec.policy import expected_committed
 from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
@@ -62,6 +63,7 @@ class _Running:
     draft: BatchLane[Sequence, DraftResult]  # blocks the drafter drafts (on the drafter lane when there is one)
     plain: BatchLane[Sequence, DraftResult]  # plain-decoding rounds (a block of 1): target work only
     pacer: VerifyPacer
+    busy: BusyClock  # wall time with a forward (either lane) or an expert copy running
 
 
 class AsyncEngine:
@@ -151,8 +153,11 @@ class AsyncEngine:
         target_threads, drafter_threads = lane_threads(
             torch.get_num_threads(), drafter=self.speculator.drafter is not None
         )
-        target = Lane("target", device, target_threads)
-        drafter = Lane("drafter", device, drafter_threads) if drafter_threads else None
+        busy = BusyClock()
+        target = Lane("target", device, target_threads, busy)
+        drafter = Lane("drafter", device, drafter_threads, busy) if drafter_threads else None
+        if self.provider is not None:
+            self.provider.watch_busy(busy)
         work = self._work
         running = _Running(
             task_group=anyio.create_task_group(),
@@ -170,6 +175,7 @@ class AsyncEngine:
             pacer=VerifyPacer(
                 self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs, self.planner
             ),
+            busy=busy,
         )
         self._running, self._loop = running, asyncio.get_running_loop()
         await running.task_group.__aenter__()

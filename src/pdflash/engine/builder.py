@@ -18,6 +18,7 @@ import torch
 
 from pdflash.bundled import default_drafter, default_target
 from pdflash.engine.lanes import lane_threads, off_thread
+from pdflash.measure import BusyClock
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.projection import RouteHead, make_projector, route_head_path
 from pdflash.spec.speculator import Speculator
@@ -40,6 +41,7 @@ class OffloadProvider(Protocol):
     def release(self, claim: Any) -> None: ...  # the claims of one prefetch, once its verify ran
     def resident(self) -> frozenset[ExpertKey]: ...
     def copy_intervals(self) -> list[tuple[float, float]]: ...  # recent (start, end) of its copies
+    def watch_busy(self, clock: BusyClock) -> None: ...  # count the time its copies run into `clock`
     def stats(self) -> dict: ...
     def close(self) -> None: ...
 

@@ -1,7 +1,8 @@
 """Which bytes a pending verify is charged against a byte budget (ARCHITECTURE "Which bytes a demand is charged").
 
 Owns the charge modes, the expert-set arithmetic behind marginal charges (sets as int
-bitmasks over one byte map) and the largest union a block can route (the byte cap's
+bitmasks over one byte map; many unions at once as rows of packed 64-bit words), the lazy
+union of several sets (`UnionOf`) and the largest union a block can route (the byte cap's
 liveness bound). Pure arithmetic over the byte map, resident and in-flight sets it is
 handed; it never reads the cache itself.
 """
@@ -12,10 +13,11 @@ import enum
 import functools
 import operator
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence, Set
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence, Set
 from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from pdflash.target.experts import ExpertKey
 
@@ -46,13 +48,41 @@ class Chargeable(Protocol):
     def fetch_bytes(self) -> int: ...  # bytes of `union` not resident at projection time
 
 
+Rows = npt.NDArray[np.uint64]  # [n, words]: one set of experts per row, bit i = the byte map's i-th expert
+
+
+class UnionOf(Set[ExpertKey]):
+    """The union of several sets, not built: a batch's in-flight union costs no set building,
+    and a tick ors the rows it already holds for registered parts (pdflash.engine.demand_table)."""
+
+    def __init__(self, parts: Iterable[Set[ExpertKey]]) -> None:
+        self.parts = tuple(parts)
+
+    @functools.cached_property
+    def _union(self) -> frozenset[ExpertKey]:
+        return frozenset().union(*self.parts)
+
+    def __contains__(self, expert: object) -> bool:
+        return any(expert in part for part in self.parts)
+
+    def __iter__(self) -> Iterator[ExpertKey]:
+        return iter(self._union)
+
+    def __len__(self) -> int:
+        return len(self._union)
+
+    def __bool__(self) -> bool:  # without building the union
+        return any(self.parts)
+
+
 class ExpertMasks:
-    """Sets of experts as int bitmasks over one byte map: the marginal charge in big-int operations.
+    """Sets of experts as bits over one byte map: int masks (`mask`, `nbytes`) and rows of packed
+    64-bit words (`row`, `row_of`, `row_bytes`), the form a tick charges in.
 
     As sets, charging one pending union is a set difference over its experts (about 75 ms per
-    tick for 256 Qwen3-30B-A3B-sized unions of ~2,500 experts on one CPU core). As masks it is
-    an and-not and one popcount per distinct expert size; a union becomes a mask once, when its
-    verify is first charged (bench_admission.py times both parts).
+    tick for 256 Qwen3-30B-A3B-sized unions of ~2,500 experts on one CPU core). As rows, a
+    union is built once, when its verify is registered, and a tick charges all of them in a
+    few vectorized operations (`marginal_charges`; bench_admission.py times it).
     """
 
     SMALL = 64  # experts up to which or-ing single bits beats numpy's fixed cost
@@ -61,10 +91,13 @@ class ExpertMasks:
         self.byte_map = byte_map
         self._bit = {expert: i for i, expert in enumerate(byte_map)}
         self._single = {expert: 1 << i for expert, i in self._bit.items()}
+        self.words = max(1, -(-len(byte_map) // 64))  # 64-bit words per row
         by_size: dict[int, list[ExpertKey]] = defaultdict(list)
         for expert, size in byte_map.items():
             by_size[size].append(expert)
         self._sizes = tuple((size, self.mask(experts)) for size, experts in by_size.items())
+        self._size_bytes = np.array([size for size, _ in self._sizes], dtype=np.int64)  # [classes] bytes
+        self._size_rows = np.stack([self.row(members) for _, members in self._sizes])  # [classes, words]
 
     def mask(self, experts: Collection[ExpertKey]) -> int:
         """The mask of `experts`; KeyError for an expert the byte map lacks."""
@@ -78,13 +111,80 @@ class ExpertMasks:
         """Σ of the byte map over the experts in `mask`."""
         return sum(size * (mask & members).bit_count() for size, members in self._sizes)
 
+    def row(self, mask: int) -> Rows:
+        """`mask` as one row of packed little-endian 64-bit words: [words]."""
+        return np.frombuffer(mask.to_bytes(8 * self.words, "little"), dtype="<u8").astype(np.uint64)
 
-def alone_bytes(
-    masks: ExpertMasks, union_masks: Sequence[int], resident: Set[ExpertKey], in_flight: Set[ExpertKey]
-) -> list[int]:
-    """Bytes each union adds to resident ∪ in flight on its own (not cumulative: the ordering's key)."""
-    covered = masks.mask(resident) | masks.mask(in_flight)
-    return [masks.nbytes(union & ~covered) for union in union_masks]
+    def row_of(self, experts: Collection[ExpertKey]) -> Rows:
+        """The row of `experts` ([words]) without an int mask between; KeyError for an expert the byte map lacks."""
+        flags = np.zeros(64 * self.words, dtype=bool)
+        flags[self.bits(experts)] = True
+        return packed(flags)
+
+    def bits(self, experts: Collection[ExpertKey]) -> npt.NDArray[np.intp]:
+        """[len(experts)] the bit of each expert."""
+        return np.fromiter(map(self._bit.__getitem__, experts), dtype=np.intp, count=len(experts))
+
+    def row_bytes(self, rows: Rows, scratch: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.int64]:
+        """[n] Σ of the byte map over each row's experts (rows: [n, words]; `scratch`: a [>= n, words]
+        uint8 buffer for the popcounts, which saves allocating one)."""
+        if len(self._sizes) == 1:
+            return self._popcounts(rows, scratch) * self._size_bytes[0]
+        per_class = [self._popcounts(rows & members, scratch) for members in self._size_rows]  # [classes][n]
+        return np.stack(per_class, axis=1) @ self._size_bytes
+
+    def _popcounts(self, rows: Rows, scratch: npt.NDArray[np.uint8] | None) -> npt.NDArray[np.int64]:
+        counts = np.bitwise_count(rows, out=scratch[: len(rows)] if scratch is not None else None)  # [n, words] <= 64
+        total = np.uint16 if self.words < 1024 else np.int64  # a row's popcount fits 16 bits: faster sums
+        return counts.sum(axis=1, dtype=total).astype(np.int64)
+
+
+def packed(flags: npt.NDArray[np.bool_]) -> Rows:
+    """[words] the row of `flags` ([64 * words] bools, one per bit)."""
+    return np.packbits(flags, bitorder="little").view("<u8").astype(np.uint64)
+
+
+class TrackedRow:
+    """The row of a set that drifts between calls (the resident experts), kept by its differences:
+    a tick pays for the experts that came and went since the last one, not for the whole set."""
+
+    def __init__(self, masks: ExpertMasks) -> None:
+        self._masks = masks
+        self._set: frozenset[ExpertKey] = frozenset()
+        self._flags = np.zeros(64 * masks.words, dtype=bool)  # [64 * words] one per bit
+        self._row = packed(self._flags)
+
+    def of(self, experts: Set[ExpertKey]) -> Rows:
+        """[words] the row of `experts` (do not write to it)."""
+        if experts is not self._set:
+            came = experts - self._set
+            if 2 * len(came) + len(self._set) - len(experts) >= len(experts):  # |came| + |went| >= |experts|
+                self._flags[:] = False  # rebuilt whole: cheaper than the differences
+                self._flags[self._masks.bits(experts)] = True
+            else:
+                self._flags[self._masks.bits(self._set - experts)] = False
+                self._flags[self._masks.bits(came)] = True
+            self._row = packed(self._flags)
+            self._set = experts if type(experts) is frozenset else frozenset(experts)
+        return self._row
+
+
+def marginal_charges(
+    masks: ExpertMasks, stacked: Rows, scratch: npt.NDArray[np.uint8] | None = None
+) -> npt.NDArray[np.int64]:
+    """[n] bytes each of rows 1..n of `stacked` ([n + 1, words]) adds to row 0 and the rows before it.
+
+    Row 0 is what is already covered (resident ∪ in flight), rows 1..n the pending unions in
+    admission order: charge i = bytes(row 0 | ... | row i) - bytes(row 0 | ... | row i-1).
+    Overwrites `stacked` with those running ors (its last row: all of it).
+    """
+    np.bitwise_or.accumulate(stacked, axis=0, out=stacked)
+    return np.diff(masks.row_bytes(stacked, scratch))
+
+
+def without(rows: Rows, covered: Rows) -> Rows:
+    """`rows` ([n, words]) less the experts of `covered` ([words]), in place."""
+    return np.bitwise_and(rows, ~covered, out=rows)
 
 
 def charge_bytes(
@@ -120,12 +220,8 @@ def charge_bytes(
     masks = byte_map if isinstance(byte_map, ExpertMasks) else ExpertMasks(byte_map)
     unions = union_masks if union_masks is not None else [masks.mask(p.union) for p in pending]
     covered = masks.mask(resident) | masks.mask(in_flight)
-    charges = []
-    for union in unions:
-        new = union & ~covered
-        charges.append(masks.nbytes(new))
-        covered |= new
-    return charges
+    stacked = np.stack([masks.row(m) for m in (covered, *unions)])  # [n + 1, words]
+    return marginal_charges(masks, stacked).tolist()
 
 
 def largest_block_union_bytes(byte_map: Mapping[ExpertKey, int], block_tokens: int, top_k: int) -> int:

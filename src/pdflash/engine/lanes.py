@@ -31,6 +31,8 @@ import anyio.abc
 import attrs
 import torch
 
+from pdflash.measure import BusyClock
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
@@ -59,8 +61,11 @@ def lane_threads(total: int, *, drafter: bool) -> tuple[int, int]:
 class Lane:
     """One single-thread executor with its own torch thread count; on CUDA, calls run on its own stream."""
 
-    def __init__(self, name: str, device: torch.device, threads: int | None = None) -> None:
+    def __init__(
+        self, name: str, device: torch.device, threads: int | None = None, busy: BusyClock | None = None
+    ) -> None:
         self.name = name
+        self._busy = busy  # the engine's clock of time with a forward or a copy running, if any
         self.threads = threads if threads is not None else torch.get_num_threads()
         self._executor = ThreadPoolExecutor(
             max_workers=1,
@@ -90,6 +95,8 @@ class Lane:
         # anyio/asyncio never pin a thread to a stream: enter it inside every call
         stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         started = time.perf_counter()
+        if self._busy is not None:
+            self._busy.enter(started)
         try:
             with stream:
                 result = fn(*args)
@@ -98,6 +105,8 @@ class Lane:
             return result
         finally:
             ended = time.perf_counter()
+            if self._busy is not None:
+                self._busy.leave(ended)
             self.busy_s += ended - started
             self.calls += 1
             self.intervals.append((started, ended))

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 ORDERS = ("arrival", "yield")
 
@@ -25,18 +27,30 @@ class OrderKey:
     alone_bytes: int  # bytes its union adds to resident ∪ in flight (as if it were admitted alone)
     skipped_ticks: int  # ticks that passed it over
 
-    @property
-    def tokens_per_byte(self) -> float:
-        return self.expected_tokens / self.alone_bytes if self.alone_bytes else float("inf")
-
 
 def offer_order(keys: Sequence[OrderKey], order: str, barrier_after: int) -> list[int]:
     """Indices into `keys` (given in arrival order) in the order a tick offers them."""
+    columns = ([k.expected_tokens for k in keys], [k.alone_bytes for k in keys], [k.skipped_ticks for k in keys])
+    return offer_order_columns(*columns, order, barrier_after).tolist()
+
+
+def offer_order_columns(
+    expected_tokens: npt.ArrayLike,
+    alone_bytes: npt.ArrayLike,
+    skipped_ticks: npt.ArrayLike,
+    order: str,
+    barrier_after: int,
+) -> npt.NDArray[np.intp]:
+    """`offer_order` over the keys given as columns ([n] each; what a tick calls: no key objects)."""
     if order not in ORDERS:
         raise ValueError(f"order={order!r} is not one of {', '.join(map(repr, ORDERS))}")
+    skipped = np.asarray(skipped_ticks, dtype=np.int64)
     if order == "arrival":
-        return list(range(len(keys)))
-    guarded = [i for i, k in enumerate(keys) if k.skipped_ticks >= barrier_after]
-    rest = [i for i, k in enumerate(keys) if k.skipped_ticks < barrier_after]
-    rest.sort(key=lambda i: (-keys[i].tokens_per_byte, i))
-    return guarded + rest
+        return np.arange(len(skipped), dtype=np.intp)
+    alone = np.asarray(alone_bytes, dtype=np.float64)
+    per_byte = np.full(len(skipped), np.inf)  # expected tokens per byte: inf when it adds no bytes
+    np.divide(np.asarray(expected_tokens, dtype=np.float64), alone, out=per_byte, where=alone != 0)
+    guarded = skipped >= barrier_after
+    rest = np.flatnonzero(~guarded)
+    rest = rest[np.argsort(-per_byte[rest], kind="stable")]  # best first, ties in arrival order
+    return np.concatenate([np.flatnonzero(guarded), rest])

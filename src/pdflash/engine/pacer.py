@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from typing import Any
 
 import anyio
@@ -27,6 +27,7 @@ import attrs
 
 from pdflash.engine.admission import TokensBytes
 from pdflash.engine.builder import OffloadProvider
+from pdflash.engine.charging import UnionOf
 from pdflash.engine.lanes import Lane
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.engine.sequence import Sequence, SequenceState
@@ -171,7 +172,7 @@ class VerifyPacer:
         self._running = batch
         self.stats.launches += 1
         self.verify_batches[len(batch)] = self.verify_batches.get(len(batch), 0) + 1
-        union: frozenset[ExpertKey] = frozenset().union(*(s.draft.expert_union for s in batch if s.draft is not None))
+        union = UnionOf(s.draft.expert_union for s in batch if s.draft is not None)  # the scheduler knows their masks
         done = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._verify, batch, done)
@@ -239,7 +240,7 @@ class VerifyPacer:
 
     # -- a tick ----------------------------------------------------------------------------------
 
-    def _tick(self, in_flight_union: frozenset[ExpertKey]) -> list[Sequence]:
+    def _tick(self, in_flight_union: Set[ExpertKey]) -> list[Sequence]:
         """One admission tick: the admitted sequences, their demands seated and their unions prefetched."""
         self.stats.ticks += 1
         self.stats.ticks_in_flight += bool(in_flight_union)

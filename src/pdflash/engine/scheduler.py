@@ -1,8 +1,9 @@
 """The ticket scheduler: arrival order, the carried deficit and admission tickets around the pure admission.
 
-Owns which pending verifies a tick offers `admit_verify_demands`, in what order, with what
-byte charges (pdflash.engine.charging over the byte map it was built with), the carry
-between ticks, and the tickets sequences await. Must not touch sequence state machines,
+Owns which pending verifies a tick offers the pure admission (`first_fit`), in what order,
+with what byte charges (pdflash.engine.charging over the byte map it was built with,
+computed on the rows of pdflash.engine.demand_table), the carry between ticks, and the
+tickets sequences await. Must not touch sequence state machines,
 model work or the expert cache: the engine hands each tick the resident and in-flight
 expert sets; this module only reads them.
 
@@ -15,21 +16,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Hashable, Iterable, Mapping, Set
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from pdflash.checks import require_int
-from pdflash.engine.admission import (
-    ZERO,
-    TokensBytes,
-    VerifyAdmission,
-    VerifyDemand,
-    admit_verify_demands,
-    require_fits_cap,
-)
-from pdflash.engine.charging import ChargeMode, ExpertMasks, alone_bytes, charge_bytes
-from pdflash.engine.ordering import OrderKey, offer_order
+from pdflash.engine.admission import ZERO, TokensBytes, VerifyAdmission, first_fit, require_fits_cap
+from pdflash.engine.charging import ChargeMode, ExpertMasks, Rows, charge_bytes
+from pdflash.engine.demand_table import DemandTable, slots_of
+from pdflash.engine.ordering import offer_order, offer_order_columns
 from pdflash.engine.ticket import Ticket
 from pdflash.measure import percentile
 from pdflash.target.experts import ExpertKey
@@ -52,16 +49,9 @@ class _Entry:
     request: VerifyRequest
     ticket: Ticket
     registered_at: float  # seconds (scheduler clock), first registration
-    skipped_ticks: int = 0  # ticks that passed it over
+    slot: int  # its columns in the scheduler's DemandTable
     admitted_tick: int = -1  # tick number that admitted it
     charge: TokensBytes = ZERO  # (tokens, bytes) charged when admitted
-    _mask: tuple[VerifyRequest, int] | None = None  # its union's mask, and the registration it is of
-
-    def union_mask(self, masks: ExpertMasks) -> int:
-        """Its request's union as a mask of the scheduler's `masks`, built once per registration."""
-        if self._mask is None or self._mask[0] is not self.request:
-            self._mask = (self.request, masks.mask(self.request.union))
-        return self._mask[1]
 
 
 @attrs.frozen
@@ -132,6 +122,7 @@ class VerifyScheduler:
         self._waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
         self._last_tick_s: float | None = None
         self._masks = ExpertMasks(byte_map) if byte_map is not None and not self.token_only else None
+        self._table = DemandTable(self._masks)  # rows built at registration, off the tick that charges them
 
     # -- configuration checks --
 
@@ -163,9 +154,9 @@ class VerifyScheduler:
         if entry is not None:
             entry.request = request  # keeps its place, its skipped ticks and its ticket
         else:
-            entry = self._queue[seq_id] = _Entry(request, Ticket(seq_id, self._release), registered_at=self._clock())
-        if self._masks is not None:  # built here, off the tick that charges it
-            entry.union_mask(self._masks)
+            ticket = Ticket(seq_id, self._release)
+            entry = self._queue[seq_id] = _Entry(request, ticket, self._clock(), self._table.add(self._ticks))
+        self._table.set(entry.slot, tokens, expected_tokens, request.union)
         return entry.ticket
 
     def mark_in_flight(self, seq_id: Hashable) -> None:
@@ -176,8 +167,10 @@ class VerifyScheduler:
 
     def finish(self, seq_id: Hashable) -> None:
         """The verify of `seq_id` is done; it stops being seated."""
-        if self._admitted.pop(seq_id, None) is None and self._in_flight.pop(seq_id, None) is None:
+        entry = self._admitted.pop(seq_id, None) or self._in_flight.pop(seq_id, None)
+        if entry is None:
             raise KeyError(f"sequence {seq_id!r} has no admitted or in-flight verify to finish")
+        self._table.free(entry.slot)
 
     def cancel(self, seq_id: Hashable) -> bool:
         """Drop whatever `seq_id` holds here and re-run assignment; False if it held nothing.
@@ -194,8 +187,9 @@ class VerifyScheduler:
                     self._pool[0] + entry.charge.tokens,
                     self._pool[1] + entry.charge.expert_bytes,
                 )
-        elif self._in_flight.pop(seq_id, None) is None:
+        elif (entry := self._in_flight.pop(seq_id, None)) is None:
             return False
+        self._table.free(entry.slot)
         self._reassign()
         return True
 
@@ -226,22 +220,33 @@ class VerifyScheduler:
         if budget is not None:  # derived budgets: this tick's quantum (the caps stay)
             self.budget = budget
         seated = list(self._in_flight.values())
-        waiting = self._offered(list(self._queue.values()), resident, in_flight_union)
-        charges = self._charges(seated + waiting, resident, in_flight_union)
-        demands = self._as_demands(seated + waiting, charges, n_seated=len(seated))
-        result = admit_verify_demands(demands, self.budget, self._carried, self.cap, barrier_after=self.barrier_after)
-        self._ticks += 1
-        used = _sum(demands, set(result.seated_ids) | set(result.admitted_ids))
-        self._pool = (
-            self.budget.tokens + self._carried.tokens - used.tokens,
-            self.budget.expert_bytes + self._carried.expert_bytes - used.expert_bytes,
+        waiting = list(self._queue.values())
+        seated_slots = slots_of([e.slot for e in seated])
+        slots = slots_of([e.slot for e in waiting])  # [m] arrival order
+        n = len(seated)
+        uncovered = None  # [1 + n + m, words]: empty, then the seated and waiting unions less resident ∪ in flight
+        if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
+            covered = self._table.covered(resident, in_flight_union)
+            uncovered = self._table.uncovered(np.concatenate((seated_slots, slots)), covered)
+        offered = self._offered(slots, uncovered[1 + n :] if uncovered is not None else None)  # [m] into waiting
+        slots = slots[offered]
+        charges = self._charges(seated, waiting, offered, uncovered)
+        picked, pool_tokens, pool_bytes = first_fit(
+            self._table.tokens[slots],
+            charges[n:],
+            self._ticks - self._table.queued_tick[slots],
+            self.budget.tokens + self._carried.tokens - int(self._table.tokens[seated_slots].sum()),
+            self.budget.expert_bytes + self._carried.expert_bytes - int(charges[:n].sum()),
+            self.barrier_after,
         )
-        self._carried = result.carried
-        self._hand_out(result.admitted_ids, demands)
-        for entry in self._queue.values():
-            entry.skipped_ticks += 1
+        waiting = [waiting[offered[i]] for i in picked]  # now: the admitted, in offer order
+        self._ticks += 1  # every demand still queued after this was skipped by it
+        self._pool = (pool_tokens, pool_bytes)
+        self._carried = TokensBytes(pool_tokens, pool_bytes).clamped(self.cap)
+        self._hand_out(waiting, charges[n:][picked].tolist())
         self._last_tick_s = self._clock() - start
-        return result
+        ids = (tuple(e.request.seq_id for e in seated), tuple(e.request.seq_id for e in waiting))
+        return VerifyAdmission(seated_ids=ids[0], admitted_ids=ids[1], carried=self._carried)
 
     def pending_count(self) -> int:
         return len(self._queue)
@@ -282,55 +287,44 @@ class VerifyScheduler:
             most = r.fetch_bytes if self.charge_mode is ChargeMode.FETCH else r.full_bytes
             require_fits_cap("byte_cap", self.cap.expert_bytes, most, f"the bytes {who} may be charged")
 
-    def _offered(
-        self, waiting: list[_Entry], resident: Set[ExpertKey], in_flight_union: Set[ExpertKey]
-    ) -> list[_Entry]:
-        """The waiting demands in the order this tick offers them (pdflash.engine.ordering)."""
-        if self.order == "arrival" or len(waiting) < 2 or self._masks is None:
-            return waiting
-        alone = alone_bytes(self._masks, [e.union_mask(self._masks) for e in waiting], resident, in_flight_union)
-        keys = [
-            OrderKey(
-                seq_id=e.request.seq_id,
-                expected_tokens=e.request.expected_tokens,
-                alone_bytes=nbytes,
-                skipped_ticks=e.skipped_ticks,
-            )
-            for e, nbytes in zip(waiting, alone, strict=True)
-        ]
-        return [waiting[i] for i in offer_order(keys, self.order, self.barrier_after)]
+    def _offered(self, slots: npt.NDArray[np.intp], uncovered: Rows | None) -> npt.NDArray[np.intp]:
+        """Indices of the waiting demands (`slots`, arrival order; `uncovered`: their unions less
+        resident ∪ in flight) in the order this tick offers them (pdflash.engine.ordering)."""
+        if self.order == "arrival" or len(slots) < 2 or uncovered is None:
+            return np.arange(len(slots), dtype=np.intp)
+        t = self._table
+        alone = t.nbytes(uncovered)
+        return offer_order_columns(
+            t.expected[slots], alone, self._ticks - t.queued_tick[slots], self.order, self.barrier_after
+        )
 
-    def _charges(self, entries: list[_Entry], resident: Set[ExpertKey], in_flight_union: Set[ExpertKey]) -> list[int]:
+    def _charges(
+        self, seated: list[_Entry], waiting: list[_Entry], offered: npt.NDArray[np.intp], uncovered: Rows | None
+    ) -> npt.NDArray[np.int64]:
+        """[n + m] bytes charged to each demand of the line: `seated`, then `waiting` in `offered`
+        order (`uncovered`: their unions less what is covered, as `tick` has them)."""
+        n = len(seated)
         if self.token_only:
-            return [0] * len(entries)
-        masks = self._masks
-        union_masks = [e.union_mask(masks) for e in entries] if masks is not None else None
-        requests = [e.request for e in entries]
-        return charge_bytes(requests, self.charge_mode, masks, resident, in_flight_union, union_masks=union_masks)
-
-    @staticmethod
-    def _as_demands(entries, charges, n_seated: int) -> list[VerifyDemand]:
-        return [
-            VerifyDemand(
-                seq_id=e.request.seq_id,
-                tokens=e.request.tokens,
-                expert_bytes=charge,
-                in_flight=i < n_seated,
-                skipped_ticks=e.skipped_ticks,
+            return np.zeros(n + len(offered), dtype=np.int64)
+        if self.charge_mode is ChargeMode.MARGINAL and uncovered is not None:
+            reordered = self.order != "arrival"  # else `uncovered` is in line order already
+            stacked = (
+                uncovered.take(np.concatenate((np.arange(n + 1), n + 1 + offered)), axis=0) if reordered else uncovered
             )
-            for i, (e, charge) in enumerate(zip(entries, charges))
-        ]
+            return self._table.marginal(stacked)
+        line = [e.request for e in seated] + [waiting[i].request for i in offered]
+        return np.asarray(charge_bytes(line, self.charge_mode, None, frozenset(), frozenset()), dtype=np.int64)
 
-    def _hand_out(self, admitted_ids: tuple, demands: list[VerifyDemand]) -> None:
+    def _hand_out(self, admitted: list[_Entry], charges: Iterable[int]) -> None:
         """Move admitted demands out of the queue and wake their waiters, in order."""
-        if not admitted_ids:
+        if not admitted:
             return
         now = self._clock()
-        by_id = {d.seq_id: d for d in demands}
-        for seq_id in admitted_ids:
-            entry = self._queue.pop(seq_id)
+        for entry, charge in zip(admitted, charges, strict=True):
+            seq_id = entry.request.seq_id
+            del self._queue[seq_id]
             entry.admitted_tick = self._ticks
-            entry.charge = TokensBytes(by_id[seq_id].tokens, by_id[seq_id].expert_bytes)
+            entry.charge = TokensBytes(entry.request.tokens, int(charge))
             self._admitted[seq_id] = entry
             self._admitted_total += 1
             self._waits.append(now - entry.registered_at)
@@ -340,26 +334,17 @@ class VerifyScheduler:
         """Hand the current tick's leftover pool to waiting demands; not a new tick."""
         if self._pool[0] >= 0 and self._pool[1] >= 0 and self._queue:  # else nothing fits
             waiting = list(self._queue.values())
+            slots = slots_of([e.slot for e in waiting])
             if not self.token_only and self.charge_mode is ChargeMode.MARGINAL:
                 # No fresh resident / in-flight sets between ticks: charge full unions (an
                 # upper bound on the marginal bytes), so re-assignment never overspends.
-                charges = [e.request.full_bytes for e in waiting]
+                charges = np.array([e.request.full_bytes for e in waiting], dtype=np.int64)
             else:
-                charges = self._charges(waiting, frozenset(), frozenset())
-            demands = self._as_demands(waiting, charges, n_seated=0)
-            result = admit_verify_demands(
-                demands,
-                TokensBytes(*self._pool),
-                ZERO,
-                self.cap,
-                barrier_after=self.barrier_after,
+                charges = self._charges([], waiting, np.arange(len(waiting)), None)
+            skipped = self._ticks - self._table.queued_tick[slots]
+            picked, pool_tokens, pool_bytes = first_fit(
+                self._table.tokens[slots], charges, skipped, *self._pool, self.barrier_after
             )
-            used = _sum(demands, set(result.admitted_ids))
-            self._pool = (self._pool[0] - used.tokens, self._pool[1] - used.expert_bytes)
-            self._hand_out(result.admitted_ids, demands)
+            self._pool = (pool_tokens, pool_bytes)
+            self._hand_out([waiting[i] for i in picked], charges[picked].tolist())
         self._carried = TokensBytes(*self._pool).clamped(self.cap)
-
-
-def _sum(demands: Sequence[VerifyDemand], ids: set) -> TokensBytes:
-    chosen = [d for d in demands if d.seq_id in ids]
-    return TokensBytes(sum(d.tokens for d in chosen), sum(d.expert_bytes for d in chosen))

@@ -7,6 +7,7 @@ lanes, planner and expert provider. Reads only; changes nothing.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -54,7 +55,8 @@ class EngineStats:
     verify_batch_sizes: dict[int, int]  # sequences per batched verify -> how many such batches
     admission_wait_p50_s: float | None  # verify admission wait (scheduler window)
     admission_wait_p99_s: float | None
-    model_s: float  # time the target and drafter lanes spent in forwards
+    model_s: float  # time the target and drafter lanes spent in forwards (summed: overlapping lanes count twice)
+    busy_s: float  # wall time with a forward (either lane) or an expert copy running: the union, counted once
     copy_compute_overlap_s: float  # time expert copies ran while the target lane computed
     prefetch_requests: int  # route-ahead prefetches issued
     prefetch_errors: int
@@ -93,6 +95,7 @@ def engine_stats(engine: AsyncEngine) -> EngineStats:
         admission_wait_p50_s=sched.wait_p50_s,
         admission_wait_p99_s=sched.wait_p99_s,
         model_s=sum(lane.busy_s for lane in lanes),
+        busy_s=running.busy.busy_s(time.perf_counter()) if running else 0.0,
         copy_compute_overlap_s=overlap_s(copies, running.target.intervals) if running else 0.0,
         prefetch_requests=pacer.prefetch_requests if pacer else 0,
         prefetch_errors=pacer.prefetch_errors if pacer else 0,

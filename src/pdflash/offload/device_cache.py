@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import torch
 
+from pdflash.measure import BusyClock
 from pdflash.offload.arena import SlotArena
 from pdflash.offload.cache_stats import Counters, OffloadStats
 from pdflash.offload.eviction import make_policy
@@ -156,6 +157,10 @@ class OffloadedExperts:
     def link_bytes_per_s(self) -> float | None:
         """The emulated link's rate; None for a real one (copies take what they take)."""
         return self.link.gbps * 1e9 if self.link.gbps is not None else None
+
+    def watch_busy(self, clock: BusyClock) -> None:
+        """Count the time the prefetch lane runs jobs (fetches) into `clock` too."""
+        self.lane.busy = clock
 
     def copy_intervals(self) -> list[tuple[float, float]]:
         """(start, end) perf_counter seconds of the prefetch lane's recent jobs (fetches)."""

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from pdflash.measure import BusyClock
+
 
 class Priority(enum.IntEnum):
     ON_DEMAND = 0  # a miss inside a running forward
@@ -45,6 +47,7 @@ class PrefetchLane:
         self._closed = False
         self._running = False
         self.intervals: deque[tuple[float, float]] = deque(maxlen=4096)  # (start, end) of jobs, perf_counter s
+        self.busy: BusyClock | None = None  # a clock its jobs also run on (the engine's forwards-or-copies clock)
         self._thread = threading.Thread(target=self._loop, name="pdflash-prefetch", daemon=True)
         self._thread.start()
 
@@ -79,6 +82,9 @@ class PrefetchLane:
                 job = heapq.heappop(self._queue)
                 self._running = True
             started = time.perf_counter()
+            busy = self.busy
+            if busy is not None:
+                busy.enter(started)
             try:
                 if self.stream is None:
                     job.run()
@@ -87,7 +93,10 @@ class PrefetchLane:
                         job.run()
             except Exception:
                 logging.getLogger(__name__).exception("a prefetch lane job raised instead of reporting its error")
-            self.intervals.append((started, time.perf_counter()))
+            ended = time.perf_counter()
+            if busy is not None:
+                busy.leave(ended)
+            self.intervals.append((started, ended))
             with self._ready:
                 self._running = False
                 self._ready.notify_all()
