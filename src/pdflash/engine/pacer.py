@@ -1,8 +1,9 @@
 """The verify pacer: one admission tick per verify launch, each batch's fetches hidden behind its predecessor.
 
 Owns when ticks run (when the target lane is about to launch a batch and, at most once while
-a batch runs, as soon as new demands wait), the budgets of each tick (fixed, token-only, or
-derived from the cache the running verify leaves free), the route-ahead prefetch of every admitted
+a batch runs, as soon as new demands wait; with a link, only once the sequences still drafting
+have joined or waiting longer would idle the link: `_gather_s`), the budgets of each tick
+(fixed, token-only, or derived: every seat's block), the route-ahead prefetch of every admitted
 verify (one cache claim per sequence), launching each admitted set as ONE batched verify,
 and handing each sequence its result. Must not touch lifecycles: every sequence's own
 coroutine registers its demand, awaits its ticket and then `verified(seq)`.
