@@ -55,11 +55,13 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     assert SpeculationPlanner("adaptive", 4, link_bytes_per_s=None).plan(seq) == 4  # resident
     planner.observe_verify([trace(1, (1000,), further=300), trace(1, (1000,), further=300)], 0.02)
     assert planner.inputs(seq).costs.draft_s == 0  # the drafter not yet measured costs nothing
+    # no later position measured yet: each costs what one more token would have added (leave-one-out)
+    assert planner.inputs(seq).prefix_fetch_bytes == (1000, 1300, 1600, 1900)
     planner.observe_draft(2, 0.004)
     planner.observe_verify([trace(4, (1000, 400), further=300), trace(4, (1000, 400), further=300)], 0.02)
     inputs = planner.inputs(seq)
-    # unmeasured positions cost what one more token would have added (the batch's leave-one-out)
-    assert inputs.prefix_fetch_bytes == (1000, 1400, 1700, 2000)
+    # unmeasured positions after a measured later one cost what it did
+    assert inputs.prefix_fetch_bytes == (1000, 1400, 1800, 2200)
     assert inputs.costs.draft_s == pytest.approx(0.002) and inputs.costs.link_bytes_per_s == 1e6
     assert 1 <= planner.plan(seq) <= 4 and sum(planner.decisions.values()) == 2
 

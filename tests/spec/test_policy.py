@@ -104,7 +104,19 @@ def test_estimates_start_at_the_prior_and_follow_observations():
     a1, a2, a3 = seq.estimate()
     assert a1 > 0.9 and a2 < 0.15
     assert a3 == pytest.approx(model.global_estimate()[2])  # unobserved: the pooled estimate
-    assert model.global_estimate()[2] == pytest.approx(0.6, abs=1e-9)  # nobody saw position 3
+    # nobody saw position 3: it is believed to accept as position 2, the last one observed, does
+    pooled = model.global_estimate()
+    assert pooled[2] == pytest.approx(pooled[1]) and pooled[2] < 0.15
+
+
+def test_positions_no_round_reached_follow_the_last_observed_one():
+    """Blocks of 2 see only position 1; an accepting drafter there is believed to accept later too."""
+    model = AcceptanceModel(8, AcceptancePrior(prior=0.6))
+    seq = model.for_sequence()
+    for _ in range(30):
+        seq.observe(2, 1)
+    pooled = model.global_estimate()
+    assert pooled[0] > 0.9 and pooled == pytest.approx((pooled[0],) * 7)
 
 
 def test_a_run_of_rejections_backs_off_and_recovery_follows_acceptance():

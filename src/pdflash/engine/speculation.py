@@ -102,9 +102,13 @@ class SpeculationPlanner:
             return None
         fixed_s, token_s = fit
         prefix, total = [], 0.0
+        # an unmeasured position costs what the last measured later position did, or, before any
+        # was, what one more token would have added (the batch's leave-one-out)
         further = self._further_bytes if self._further_bytes is not None else self._position_bytes[0]
         assert further is not None  # position 0 is measured (checked above)
-        for measured in self._position_bytes:  # unmeasured positions: what one more token would have added
+        for k, measured in enumerate(self._position_bytes):
+            if measured is not None and k > 0:
+                further = measured
             total += measured if measured is not None else further
             prefix.append(int(total))
         return PolicyInputs(

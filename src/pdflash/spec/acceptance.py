@@ -65,8 +65,15 @@ class AcceptanceModel:
         self._global = _Counts.empty(self.positions)
 
     def global_estimate(self) -> tuple[float, ...]:
-        """[B-1]: the pooled estimate, shrunk toward the prior."""
-        return self._global.shrunk((self.prior.prior,) * self.positions, self.prior.prior_weight)
+        """[B-1]: the pooled estimate. Position 1 is shrunk toward the prior, each later one toward
+        the estimate before it: a position no round has reached yet is believed to accept as the
+        last one observed does (short blocks never see the later positions at all)."""
+        out: list[float] = []
+        toward = self.prior.prior
+        for s, t in zip(self._global.successes, self._global.trials, strict=True):
+            toward = (s + self.prior.prior_weight * toward) / (t + self.prior.prior_weight)
+            out.append(toward)
+        return tuple(out)
 
     def for_sequence(self) -> SequenceAcceptance:
         return SequenceAcceptance(self)
