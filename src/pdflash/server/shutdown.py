@@ -80,8 +80,10 @@ class GracefulServer(uvicorn.Server):
                 )
         for connection in [c for c in self.server_state.connections if _closing_websocket(c)]:
             # its close handshake is under way: uvicorn's shutdown would send a second close
-            # frame, which raises (websockets' InvalidState) and fails the exit
-            self.server_state.connections.discard(connection)
+            # frame, which raises (websockets' InvalidState) and fails the exit. It stays in
+            # uvicorn's connection set (its own connection_lost removes it, and uvicorn waits
+            # for that); only the second close is skipped.
+            setattr(connection, "shutdown", _already_closing)  # noqa: B010 (an instance, not its class)
         await super().shutdown(sockets)
 
     @contextlib.contextmanager
@@ -107,6 +109,10 @@ def _app_state(app: Any) -> Any:
             return state
         app = getattr(app, "app", None)
     return None
+
+
+def _already_closing() -> None:
+    """What a closing websocket does when uvicorn shuts it down: nothing, its close is under way."""
 
 
 def _closing_websocket(connection: Any) -> bool:
