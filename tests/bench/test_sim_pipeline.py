@@ -10,6 +10,7 @@ does; a resident one that accepts everything keeps B.
 
 import attrs
 import pytest
+from test_simulator import ConstantCosts
 
 from pdflash.bench.configs import CONFIGS
 from pdflash.bench.routing import Round
@@ -19,28 +20,11 @@ from pdflash.bench.simulator import SimSetup
 EXPERT_BYTES, BLOCK = 1_000_000, 8
 
 
-@attrs.frozen
-class Costs:
-    """A cost model double: constant seconds per phase (the verify's experts computed in one wave)."""
-
-    prefill: float = 0.0
-    draft: float = 0.0
-    verify_dense: float = 0.0
-    verify_experts: float = 0.0
-    step: float = 0.0
-    description: str = "constant"
-
-    def prefill_s(self, tokens, seqs, experts, *, offloaded):
-        return self.prefill, 0.0
-
-    def draft_s(self, seqs, tokens, context, *, speculative, router):
-        return self.draft
-
-    def verify_s(self, tokens, seqs, experts, *, offloaded):
-        return self.verify_dense, self.verify_experts
-
-    def step_s(self, seqs):
-        return self.step
+def Costs(**seconds: float) -> ConstantCosts:
+    """The simulator tests' constant cost double with every phase free unless given."""
+    return ConstantCosts(
+        **(dict.fromkeys(("prefill", "draft", "verify_dense", "verify_experts", "step"), 0.0) | seconds)
+    )
 
 
 @attrs.frozen

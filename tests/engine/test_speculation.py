@@ -11,6 +11,7 @@ from test_engine import GREEDY, PROMPTS, RecordingProvider
 from pdflash.engine.round_work import RoundWork
 from pdflash.engine.speculation import SpeculationPlanner, _ComputeFit
 from pdflash.sampling import SamplingParams
+from pdflash.spec.policy import choose_block
 from pdflash.spec.projection import ProjectionQuality
 from pdflash.spec.session import RoundTrace
 from pdflash.spec.speculator import Speculator
@@ -63,7 +64,9 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     # unmeasured positions after a measured later one cost what it did
     assert inputs.prefix_fetch_bytes == (1000, 1400, 1800, 2200)
     assert inputs.costs.draft_s == pytest.approx(0.002) and inputs.costs.link_bytes_per_s == 1e6
-    assert 1 <= planner.plan(seq) <= 4 and sum(planner.decisions.values()) == 2
+    # measured: the policy decides (cheap positions, 0.6 acceptance: the whole block, not the unmeasured 1)
+    assert planner.plan(seq) == choose_block(inputs).block == 4
+    assert sum(planner.decisions.values()) == 2
 
 
 def test_fixed_speculation_never_asks_the_policy():
