@@ -56,23 +56,17 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     assert SpeculationPlanner("adaptive", 4, link_bytes_per_s=None).plan(seq) == 4  # resident
     planner.observe_verify([trace(1, (1000,), further=300), trace(1, (1000,), further=300)], 0.02)
     assert planner.inputs(seq).costs.draft_s == 0  # the drafter not yet measured costs nothing
-    # no later position measured yet: the next costs what one more token would have added
-    # (leave-one-out), and with a link a block reaches one position past the measured ones
-    assert planner.inputs(seq).prefix_fetch_bytes == (1000, 1300)
+    # no later position measured yet: each costs what one more token would have added (leave-one-out)
+    assert planner.inputs(seq).prefix_fetch_bytes == (1000, 1300, 1600, 1900)
     planner.observe_draft(2, 0.004)
-    planner.observe_verify([trace(2, (1000, 400), further=300), trace(2, (1000, 400), further=300)], 0.02)
+    planner.observe_verify([trace(4, (1000, 400), further=300), trace(4, (1000, 400), further=300)], 0.02)
     inputs = planner.inputs(seq)
-    # the unmeasured position after a measured later one costs what it did
-    assert inputs.prefix_fetch_bytes == (1000, 1400, 1800) and len(inputs.acceptance) == 2
+    # unmeasured positions after a measured later one cost what it did
+    assert inputs.prefix_fetch_bytes == (1000, 1400, 1800, 2200)
     assert inputs.costs.draft_s == pytest.approx(0.002) and inputs.costs.link_bytes_per_s == 1e6
-    # measured: the policy decides (cheap positions, 0.6 acceptance: the longest it may reach)
-    assert planner.plan(seq) == choose_block(inputs).block == 3
+    # measured: the policy decides (cheap positions, 0.6 acceptance: the whole block, not the unmeasured 1)
+    assert planner.plan(seq) == choose_block(inputs).block == 4
     assert sum(planner.decisions.values()) == 2
-    planner.observe_verify([trace(3, (1000, 400, 400), further=300)] * 2, 0.02)
-    assert planner.inputs(seq).max_block == 4  # every position measured or next: the whole block
-    resident = SpeculationPlanner("adaptive", 4, link_bytes_per_s=None)
-    resident.observe_verify([trace(1, (0,))], 0.02)
-    assert resident.inputs(seq).max_block == 4  # without a link nothing is fetched by a guess
 
 
 def test_fixed_speculation_never_asks_the_policy():

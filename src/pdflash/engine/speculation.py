@@ -111,14 +111,9 @@ class SpeculationPlanner:
                 further = measured
             total += measured if measured is not None else further
             prefix.append(int(total))
-        # with a link, a block reaches at most one position past those some verify has measured:
-        # its bytes and acceptance beyond that are guesses, and a long block that guessed wrong
-        # fetched its whole union for the tokens it lost (blocks grow a position per round)
-        reach = next((k for k, m in enumerate(self._position_bytes) if m is None), self.max_block)
-        longest = min(self.max_block, reach + 1) if self.link_bytes_per_s is not None else self.max_block
         return PolicyInputs(
-            acceptance=acceptance.estimate()[: longest - 1],
-            prefix_fetch_bytes=tuple(prefix[:longest]),
+            acceptance=acceptance.estimate(),
+            prefix_fetch_bytes=tuple(prefix),
             costs=RoundCosts(
                 round_s=fixed_s / max(1.0, self._batch or 1.0),
                 token_s=token_s,
