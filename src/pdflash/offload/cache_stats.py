@@ -36,6 +36,7 @@ class OffloadStats:
     """A snapshot of the cache's counters since construction or the last `reset_stats()`."""
 
     link: str  # "none" | "device" | "emulated"
+    link_bytes_per_s: float | None  # the rate copies are priced at: emulated, or measured at start; None: no link
     policy: str  # eviction policy name
     expert_cache_bytes: int  # budget (device bytes, compute dtype)
     expert_cache_slots: int  # experts the arena holds
@@ -65,6 +66,7 @@ class OffloadStats:
         c: Counters,
         *,
         link: str,
+        link_bytes_per_s: float | None,
         policy: str,
         budget_bytes: int,
         num_slots: int,
@@ -76,6 +78,7 @@ class OffloadStats:
         return cls(
             **{name: getattr(c, name) for name in counted},  # the counts go across by name
             link=link,
+            link_bytes_per_s=link_bytes_per_s,
             policy=policy,
             expert_cache_bytes=budget_bytes,
             expert_cache_slots=num_slots,

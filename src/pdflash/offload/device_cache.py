@@ -195,6 +195,7 @@ class OffloadedExperts:
             return OffloadStats.of(
                 self._counters,
                 link=self.link.label,
+                link_bytes_per_s=self.link.bytes_per_s,
                 policy=self.policy.name,
                 budget_bytes=self.budget_bytes,
                 num_slots=self.num_slots,

@@ -163,6 +163,12 @@ def _provider_metrics(p: dict | None):
     )
     info.add_metric([p["link"]], 1)
     yield info
+    if p.get("link_bytes_per_s") is not None:
+        yield GaugeMetricFamily(
+            "pdflash_expert_link_bytes_per_second",
+            "the host-to-device rate expert copies are priced at (emulated, or measured at start)",
+            value=p["link_bytes_per_s"],
+        )
 
 
 @attrs.frozen(kw_only=True)
