@@ -11,6 +11,7 @@ lives in `steps.py`; expert weights still come wave by wave from the model's pro
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -22,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from pdflash.target import steps
+from pdflash.target.aot import AotStep
 from pdflash.target.experts import ResidentExperts
 from pdflash.target.kv_cache import KVCache, gather_past, store_new
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BACKEND_ENV = "PDFLASH_STEP_BACKEND"  # "aot" or "inductor" (step_backend)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 CPP_WRAPPER = True
 KEY_QUANTUM = 64  # the padded past is a multiple of this many keys (its length is a dynamic dim)
@@ -77,6 +80,43 @@ def compile_step(fn: Callable, device: torch.device) -> Callable:
     return torch.compile(fn, fullgraph=True, options={"cpp_wrapper": CPP_WRAPPER})
 
 
+def step_backend(device: torch.device) -> str:
+    """How whole steps compile: "aot" (AOTInductor packages, the CPU default), "inductor"
+    (torch.compile; always on CUDA, where it captures CUDA graphs), or $PDFLASH_STEP_BACKEND."""
+    if device.type != "cpu":
+        return "inductor"
+    backend = os.environ.get(BACKEND_ENV, "aot")
+    if backend not in ("aot", "inductor"):
+        raise ValueError(f"${BACKEND_ENV} must be 'aot' or 'inductor', got {backend!r}")
+    return backend
+
+
+def bind_step(
+    fn: Callable,
+    device: torch.device,
+    constants: tuple[Any, ...],
+    options: dict[str, Any],
+    *,
+    key_dims: dict[int, int],
+    compiled: bool,
+) -> Callable[..., Any]:
+    """`fn(*inputs, *constants, **options)` as a callable of the inputs alone, compiled by the
+    step backend (`compiled=False`: fn itself). `key_dims` maps an input to its key-length
+    dimension, which stays dynamic: one compiled form serves every past length."""
+    if not compiled:
+        return lambda *inputs: fn(*inputs, *constants, **options)
+    step = compile_step(fn, device)
+
+    def inductor(*inputs: torch.Tensor) -> Any:
+        for index, dim in key_dims.items():
+            torch._dynamo.mark_dynamic(inputs[index], dim)
+        return step(*inputs, *constants, **options)
+
+    if step_backend(device) == "aot":
+        return AotStep(fn, constants, options=options, key_dims=key_dims, min_keys=KEY_QUANTUM, fallback=inductor)
+    return inductor
+
+
 class TargetSteps:
     """Runs the target's forward through the static-shape steps when its shape fits a bucket."""
 
@@ -92,7 +132,6 @@ class TargetSteps:
             "top_k": cfg.top_k,
             "norm_topk": cfg.norm_topk_prob,
         }
-        self._step = partial(wrap(steps.whole_step), rope_scale=model.rotary.scale, **consts)
         self._inputs = wrap(steps.step_inputs)
         self._attention = partial(wrap(steps.attention_step), **consts)
         self._experts = wrap(steps.gathered_experts)
@@ -106,6 +145,7 @@ class TargetSteps:
         )  # fmt: skip  # attention_step's weights per layer, linear ones transposed
         self._dense = {i: tuple(map(transposed, w.dense)) for i, w in enumerate(model.layers) if w.dense is not None}
         self.lm_head_t = transposed(model.lm_head)  # [H, V] (a drafter sharing the head shares this too)
+        self._step = self._bind_whole(consts) if isinstance(model.experts, ResidentExperts) else None
         self.fallbacks: Counter[str] = Counter()  # reason -> eager forwards taken for it
         self.warm_up_s = 0.0
 
@@ -162,7 +202,7 @@ class TargetSteps:
         every = _real_rows(counts, tokens, last_only=False)  # [T_real] rows of real tokens
         if model.device.type == "cuda" and self.compiled:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be reused
-        run = self._whole if isinstance(model.experts, ResidentExperts) else self._layered
+        run = self._whole if self._step is not None else self._layered
         logits, new_k, new_v, outputs, routed = run(
             ids.to(model.device), lengths_t.to(model.device), past_k, past_v, every.to(model.device)
         )
@@ -192,15 +232,21 @@ class TargetSteps:
             torch._dynamo.mark_dynamic(tensor, dim)
         return tensor
 
-    def _whole(self, ids, lengths, past_k, past_v, every) -> tuple[torch.Tensor, ...]:
-        """All layers in one compiled call (every expert resident)."""
+    def _bind_whole(self, consts: dict[str, Any]) -> Callable[..., Any]:
+        """whole_step over the model's weights, a callable of (ids, lengths, past_k, past_v)."""
         model = self.model
         stacks = model.experts.stacks  # type: ignore[attr-defined]  # a ResidentExperts
         mlps = tuple(stacks[i] if w.router is not None else self._dense[i] for i, w in enumerate(model.layers))
-        return self._step(
-            ids, lengths, self._mark(past_k, 3), self._mark(past_v, 3), model.embed, self._inv_freq,
-            self._layers, mlps, model.final_norm, self.lm_head_t,
-        )  # fmt: skip
+        weights = (model.embed, self._inv_freq, self._layers, mlps, model.final_norm, self.lm_head_t)
+        options = {"rope_scale": model.rotary.scale, **consts}
+        return bind_step(
+            steps.whole_step, model.device, weights, options, key_dims={2: 3, 3: 3}, compiled=self.compiled
+        )
+
+    def _whole(self, ids, lengths, past_k, past_v, every) -> tuple[torch.Tensor, ...]:
+        """All layers in one compiled call (every expert resident)."""
+        assert self._step is not None  # bound at install when the experts are resident
+        return self._step(ids, lengths, past_k, past_v)
 
     def _layered(self, ids, lengths, past_k, past_v, every) -> tuple[torch.Tensor, ...]:
         """A compiled call per layer part, expert waves from the provider in between (offloaded experts)."""
