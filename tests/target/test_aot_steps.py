@@ -32,26 +32,32 @@ def _tiny_step(fallback=None, scale: float = 2.0) -> AotStep:
     )
 
 
-def test_aot_whole_step_equals_eager_and_is_loaded_from_disk_the_second_time(aot_cache, monkeypatch):
+def test_aot_whole_step_equals_eager_and_is_loaded_from_disk_the_second_time(tmp_path, monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "aot")
+    monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path))  # empty: the first build is this test's
     model = load_target(BUNDLED_TARGET).model
     caches = [model.new_cache()]
     model.forward([torch.arange(70) + 3], caches)  # a 70-token past: the step pads it to 128 keys
     block = [torch.tensor([11])]
     eager_caches = copy.deepcopy(caches)
     eager = model.forward(block, eager_caches, last_logits_only=True, commit=False)
-    outputs = []
+    outputs, built_s = [], []
     for _ in range(2):  # the first TargetSteps builds the package, the second loads it
         model.steps = TargetSteps(model, StepBuckets(batch=(1,), tokens=(1,)), compiled=True)
         try:
             scratch = copy.deepcopy(caches)
-            outputs.append((model.forward(block, scratch, last_logits_only=True, commit=False), scratch))
+            out = model.forward(block, scratch, last_logits_only=True, commit=False)
+            kept = out.logits.clone()
+            model.forward([torch.tensor([12])], copy.deepcopy(caches), commit=False)
+            assert torch.equal(out.logits, kept)  # a later run leaves earlier outputs alone
+            outputs.append((out, scratch))
         finally:
             steps, model.steps = model.steps, None
         assert isinstance(steps._step, AotStep)
+        built_s.append(steps._step.built_s)
     (first, first_caches), (second, second_caches) = outputs
-    assert steps._step.built_s == 0.0  # the second one built nothing
-    assert len(list(aot_cache.glob("whole_step-*.pt2"))) == 1
+    assert built_s[0] > 0.0 and built_s[1] == 0.0  # the second one built nothing
+    assert len(list(tmp_path.glob("whole_step-*.pt2"))) == 1
     torch.testing.assert_close(first.logits, eager.logits, atol=1e-4, rtol=1e-4)  # fp32 tolerance
     assert torch.equal(first.routed, eager.routed)
     assert first.logits.argmax(-1).tolist() == eager.logits.argmax(-1).tolist()

@@ -7,13 +7,15 @@ cache directory, and loads it with the constants (the weights) pointed to, not c
 (`load_constants(user_managed=True)`; the package holds no weights). A call is then one C++
 run: no dynamo guards over ~50 tensors, no Python wrapper (docs/compile.md measures both).
 Packages are keyed by the step's source, every shape, dtype and stride, the options, the thread
-count, the CPU's vector ISA and the torch version, so a changed model or code builds a new one.
+count, inductor's settings, the CPU's vector ISA and the torch version, so a changed model, code
+or setting builds a new one.
 A shape whose package cannot be built or loaded runs `fallback` (torch.compile) with a logged
 reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -75,15 +77,19 @@ class AotStep:
     ) -> None:
         self.bound = _Bound(fn, constants, options)
         self.key_dims, self.min_keys, self.fallback = dict(key_dims), min_keys, fallback
-        self._runners: dict[tuple, Callable[[list[torch.Tensor]], Any]] = {}
+        self._runners: dict[tuple, Callable[[list[torch.Tensor]], Any]] = {}  # by shape, key lengths as -1
+        self._seen: dict[tuple, Callable[[list[torch.Tensor]], Any]] = {}  # by exact shapes and strides
         self.built_s = 0.0  # seconds spent exporting and compiling packages (0 when all came from disk)
         self._digest = _source_digest(fn)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        shape = self._shape(inputs)
-        runner = self._runners.get(shape)
-        if runner is None:
-            runner = self._runners[shape] = self._runner(self.package_path(inputs), inputs)
+        seen = (torch.get_num_threads(), *((t.shape, t.stride()) for t in inputs))  # cheaper than _shape
+        runner = self._seen.get(seen)
+        if runner is None:  # a new key length, or a new shape
+            shape = self._shape(inputs)
+            if shape not in self._runners:
+                self._runners[shape] = self._runner(self.package_path(inputs), inputs)
+            runner = self._seen[seen] = self._runners[shape]
         return runner(list(inputs))
 
     def package_path(self, inputs: Sequence[torch.Tensor]) -> Path:
@@ -113,6 +119,8 @@ class AotStep:
             log.warning("AOTInductor step %s unavailable (%s); using torch.compile", path.name, error)
             return lambda flat: self.fallback(*flat)
         loader, out_spec = package.loader, pytree.treespec_loads(package.loader.get_call_spec()[1])
+        if out_spec.type is tuple and all(child.is_leaf() for child in out_spec.children()):
+            return lambda flat: tuple(loader.run(flat))  # a step's outputs: a flat tuple of tensors
         return lambda flat: pytree.tree_unflatten(loader.run(flat), out_spec)
 
     def _build(self, path: Path, inputs: Sequence[torch.Tensor]) -> None:
@@ -140,7 +148,10 @@ class AotStep:
         constants = [(tuple(b.shape), tuple(b.stride()), str(b.dtype)) for b in self.bound.buffers()]
         cpu = torch.backends.cpu.get_cpu_capability()
         options = sorted(self.bound.options.items())
-        parts = (_FORMAT, torch.__version__, cpu, self._digest, shape, self.min_keys, constants, options)
+        inductor = sorted(  # e.g. kernel profiling; the metadata a first package build fills in is not a setting
+            (k, v) for k, v in torch._inductor.config.save_config_portable().items() if k != "aot_inductor.metadata"
+        )
+        parts = (_FORMAT, torch.__version__, cpu, self._digest, shape, self.min_keys, constants, options, inductor)
         return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
@@ -151,5 +162,8 @@ def _source_digest(fn: Callable) -> str:
         module = value if isinstance(value, types.ModuleType) else sys.modules.get(getattr(value, "__module__", ""))
         if module is not None and module.__name__.startswith("pdflash."):
             names.add(module.__name__)
-    sources = [inspect.getsource(sys.modules[name]) for name in sorted(names)]
-    return hashlib.sha256("\0".join(sources).encode()).hexdigest()
+    digest = hashlib.sha256(fn.__qualname__.encode() + fn.__code__.co_code)  # even when a module has no source
+    for name in sorted(names):
+        with contextlib.suppress(OSError, TypeError):
+            digest.update(inspect.getsource(sys.modules[name]).encode())
+    return digest.hexdigest()

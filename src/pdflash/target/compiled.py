@@ -190,7 +190,8 @@ class TargetSteps:
         keys = -(-max(lengths) // KEY_QUANTUM) * KEY_QUANTUM or KEY_QUANTUM  # padded past S
         for cache, n in zip(caches, counts, strict=True):
             cache.reserve(max(keys, cache.length + n))
-        full = len(counts) == batch and min(counts) == tokens  # no padded row or token: outputs are views
+        full = len(counts) == batch and min(counts) == tokens  # no padded row or token
+        views = full and not (model.device.type == "cuda" and self.compiled)  # a CUDA graph reuses its outputs
         if full:
             ids = torch.stack(list(token_ids))  # [B, n]
         else:
@@ -199,17 +200,17 @@ class TargetSteps:
                 ids[row, : counts[row]] = t
         past_k, past_v = gather_past(caches, keys, batch)  # [L, B, kv, S, D] each
         lengths_t = torch.tensor(lengths + [0] * (batch - len(counts)), dtype=torch.int64)
-        every = _real_rows(counts, tokens, last_only=False)  # [T_real] rows of real tokens
+        every = None if views else _real_rows(counts, tokens, last_only=False).to(model.device)  # [T_real] real rows
         if model.device.type == "cuda" and self.compiled:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be reused
         run = self._whole if self._step is not None else self._layered
         logits, new_k, new_v, outputs, routed = run(
-            ids.to(model.device), lengths_t.to(model.device), past_k, past_v, every.to(model.device)
+            ids.to(model.device), lengths_t.to(model.device), past_k, past_v, every
         )
         store_new(caches, counts, new_k, new_v, commit=commit)
         logits = logits.view(batch * tokens, -1)  # [B*n, V]
         flat = outputs.view(len(model.layers), batch * tokens, cfg.hidden_size)  # [L, B*n, H]
-        if full and not (model.device.type == "cuda" and self.compiled):  # a CUDA graph reuses its outputs
+        if views:  # outputs returned as views of the step's, not index copies
             last = logits.view(batch, tokens, -1)[:, -1] if last_logits_only else logits  # [N, V] or [T, V]
             return BatchOutput(
                 seq_lens=tuple(counts),
@@ -217,8 +218,8 @@ class TargetSteps:
                 taps=torch.cat([flat[t] for t in taps], dim=-1) if taps else None,
                 routed=routed,
             )
+        assert every is not None  # set whenever outputs are copied
         rows = _real_rows(counts, tokens, last_only=last_logits_only).to(model.device)
-        every = every.to(model.device)
         return BatchOutput(
             seq_lens=tuple(counts),
             logits=logits[rows],
@@ -256,7 +257,6 @@ class TargetSteps:
         layer_k = [self._mark(t, 2) for t in past_k.unbind(0)]  # [B, kv, S, D] per layer
         layer_v = [self._mark(t, 2) for t in past_v.unbind(0)]
         mlp_out = torch.zeros((ids.numel(), cfg.hidden_size), dtype=torch.float32, device=ids.device)
-        padded = every.numel() < ids.numel()
         new_k, new_v, outputs, routed = [], [], [], []
         for layer, w in enumerate(model.layers):
             outs = self._attention(x, mlp_out, cos, sin, visible, layer_k[layer], layer_v[layer], *self._layers[layer])
@@ -269,7 +269,7 @@ class TargetSteps:
                 continue
             topk_ids, topk_weights = outs[5:]
             routed.append(topk_ids)
-            union = topk_ids[every] if padded else topk_ids  # padded rows fetch nothing
+            union = topk_ids if every is None else topk_ids[every]  # padded rows fetch nothing
             parts = [
                 self._experts(h, topk_ids, topk_weights, wave.slot_of_expert, wave.gate, wave.up, wave.down)
                 for wave in model.experts.waves(layer, union.unique().tolist())
