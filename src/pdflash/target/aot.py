@@ -8,9 +8,8 @@ cache directory, and loads it with the constants (the weights) pointed to, not c
 run: no dynamo guards over ~50 tensors, no Python wrapper (docs/compile.md measures both).
 Packages are keyed by the step's source, every shape, dtype and stride, the options, the thread
 count, inductor's settings, the CPU's vector ISA and the torch version, so a changed model, code
-or setting builds a new one.
-A shape whose package cannot be built or loaded runs `fallback` (torch.compile) with a logged
-reason.
+or setting builds a new one. A shape whose package cannot be built or loaded runs `fallback`
+(torch.compile) with a logged reason.
 """
 
 from __future__ import annotations

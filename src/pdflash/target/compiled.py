@@ -3,9 +3,10 @@
 Owns choosing a step's bucket (sequences padded up to a batch bucket, each block up to a token
 bucket, the past up to a multiple of `KEY_QUANTUM`), gathering the past K/V into the padded
 batch and writing the real tokens' K/V back, the compiled callables (one per step function; a
-new bucket is a new static specialisation, compiled once and cached by torch.compile), and the
-eager fallback for a shape outside every bucket (a logged reason, never an error). The math
-lives in `steps.py`; expert weights still come wave by wave from the model's provider.
+new bucket is a new static specialisation, compiled once and cached: the whole steps by the step
+backend, `bind_step`: AOTInductor packages on disk (`aot.py`) or torch.compile), and the eager
+fallback for a shape outside every bucket (a logged reason, never an error). The math lives in
+`steps.py`; expert weights still come wave by wave from the model's provider.
 """
 
 from __future__ import annotations
