@@ -7,7 +7,8 @@ sdist, converts the bundled target to F32 GGUF), then
 
 For every thread count and HumanEval prompt it runs, interleaved: llama.cpp's greedy decoding
 (llama-completion, its own eval timing, prefill excluded), pdflash AR and DFlash eager, then the
-same with the compiled steps; pdflash decode rates exclude the prefill too. Prints medians,
+same with the compiled steps of each step backend (`--backends`: AOTInductor packages and
+torch.compile, docs/compile.md); pdflash decode rates exclude the prefill too. Prints medians,
 the ratios, the compile warm-up, and whether the greedy texts agree. One process, one machine.
 """
 
@@ -48,6 +49,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per run")
     parser.add_argument("--prompts", type=int, default=4, help="HumanEval prompts")
     parser.add_argument("--max-batch", type=int, default=1, help="batch buckets compiled (up to this many sequences)")
+    parser.add_argument(
+        "--backends", nargs="+", default=["aot", "inductor"], choices=["aot", "inductor"], help="step backends compared"
+    )
     args = parser.parse_args()
 
     from pdflash.bench.workload import humaneval_prompts
@@ -56,6 +60,7 @@ def main() -> None:
     from pdflash.spec.drafter import load_drafter
     from pdflash.spec.speculator import Speculator, speculative_generate
     from pdflash.spec.step_install import install_steps
+    from pdflash.target.compiled import BACKEND_ENV
     from pdflash.target.loader import load_target
 
     binary = next(args.llama.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-completion"))
@@ -69,35 +74,38 @@ def main() -> None:
     }
     prompts = humaneval_prompts(args.prompts)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
-    warm_up_s: dict[int, float] = {}
+    warm_up_s: dict[tuple[int, str], float] = {}
 
-    def run(name: str, compiled: bool, prompt_ids: list[int], steps: tuple) -> tuple[float, tuple[int, ...]]:
-        loaded.model.steps, drafter.steps = steps if compiled else (None, None)
+    def run(name: str, steps: tuple, prompt_ids: list[int]) -> tuple[float, tuple[int, ...]]:
+        loaded.model.steps, drafter.steps = steps
         result = speculative_generate(specs[name], prompt_ids, params)
         return result.stats["tokens_per_second"], result.token_ids
 
     rates: dict[tuple[int, str], list[float]] = {}
-    agree = {"llama.cpp = pdflash AR": 0, "compiled = eager (AR)": 0, "compiled = eager (DFlash)": 0}
+    agree = {"llama.cpp = pdflash AR": 0} | {f"{b} = eager ({n})": 0 for b in args.backends for n in ("AR", "DFlash")}
     for threads in args.threads:  # compiled kernels are built per thread count: warm up at each
         torch.set_num_threads(threads)
-        started = time.perf_counter()
-        install_steps(specs["dflash"], max_batch=args.max_batch, threads=(threads, threads), progress=True)
-        warm_up_s[threads] = time.perf_counter() - started
-        steps = (loaded.model.steps, drafter.steps)
+        steps = {"eager": (None, None)}
+        for backend in args.backends:
+            os.environ[BACKEND_ENV] = backend
+            started = time.perf_counter()
+            install_steps(specs["dflash"], max_batch=args.max_batch, threads=(threads, threads), progress=True)
+            warm_up_s[threads, backend] = time.perf_counter() - started
+            steps[backend] = (loaded.model.steps, drafter.steps)
         for prompt in prompts:
             ids = loaded.tokenizer.encode(prompt)
             rate, text = llama_cpp(binary, gguf, prompt, args.tokens, threads)
             rates.setdefault((threads, "llama.cpp"), []).append(rate)
             outputs = {}
             for name in ("ar", "dflash"):
-                for compiled in (False, True):
-                    rate, out = run(name, compiled, ids, steps)
-                    outputs[name, compiled] = out
-                    rates.setdefault((threads, f"{name} {'compiled' if compiled else 'eager'}"), []).append(rate)
-            ar_text = loaded.tokenizer.decode(list(outputs["ar", False]))
+                for backend, pair in steps.items():
+                    rate, outputs[name, backend] = run(name, pair, ids)
+                    rates.setdefault((threads, f"{name} {backend}"), []).append(rate)
+            ar_text = loaded.tokenizer.decode(list(outputs["ar", "eager"]))
             agree["llama.cpp = pdflash AR"] += text.startswith(ar_text[: len(text)]) or ar_text.startswith(text)
-            agree["compiled = eager (AR)"] += outputs["ar", True] == outputs["ar", False]
-            agree["compiled = eager (DFlash)"] += outputs["dflash", True] == outputs["dflash", False]
+            for backend in args.backends:
+                agree[f"{backend} = eager (AR)"] += outputs["ar", backend] == outputs["ar", "eager"]
+                agree[f"{backend} = eager (DFlash)"] += outputs["dflash", backend] == outputs["dflash", "eager"]
 
     load = os.getloadavg()
     print(
@@ -107,7 +115,7 @@ def main() -> None:
     print(f"bundled pair, {len(prompts)} HumanEval prompts, {args.tokens} greedy tokens (EOS ignored)")
     print(
         "compile warm-up (target + drafter, every bucket): "
-        + ", ".join(f"{t} thread(s) {s:.1f} s" for t, s in warm_up_s.items())
+        + ", ".join(f"{b} at {t} thread(s) {s:.1f} s" for (t, b), s in warm_up_s.items())
     )
     for threads in args.threads:
         med = {name: statistics.median(r) for (t, name), r in rates.items() if t == threads}
@@ -116,13 +124,21 @@ def main() -> None:
             r = rates[threads, name]
             print(f"  {name:16s} {med[name]:8.1f}  [{min(r):.1f}-{max(r):.1f}]")
         base = med["llama.cpp"]
-        print(f"  AR compiled / llama.cpp       {med['ar compiled'] / base:.2f}x  (goal >= 0.5x at 1 thread)")
-        print(f"  AR eager / llama.cpp          {med['ar eager'] / base:.2f}x")
-        print(f"  DFlash compiled / llama.cpp   {med['dflash compiled'] / base:.2f}x  (goal > 1x)")
-        print(f"  DFlash eager / llama.cpp      {med['dflash eager'] / base:.2f}x")
-        print(f"  AR compiled / AR eager        {med['ar compiled'] / med['ar eager']:.2f}x")
-        print(f"  DFlash compiled / eager       {med['dflash compiled'] / med['dflash eager']:.2f}x")
-        print(f"  DFlash / AR (compiled)        {med['dflash compiled'] / med['ar compiled']:.2f}x")
+        ratios = {}
+        for backend in ["eager", *args.backends]:
+            ratios[f"AR {backend} / llama.cpp"] = med[f"ar {backend}"] / base
+            ratios[f"DFlash {backend} / llama.cpp"] = med[f"dflash {backend}"] / base
+        for backend in args.backends:
+            ratios[f"AR {backend} / AR eager"] = med[f"ar {backend}"] / med["ar eager"]
+            ratios[f"DFlash {backend} / DFlash eager"] = med[f"dflash {backend}"] / med["dflash eager"]
+            ratios[f"DFlash / AR ({backend})"] = med[f"dflash {backend}"] / med[f"ar {backend}"]
+        if len(args.backends) == 2:
+            for name, label in (("ar", "AR"), ("dflash", "DFlash")):
+                ratios[f"{label} {' / '.join(args.backends)}"] = (
+                    med[f"{name} {args.backends[0]}"] / med[f"{name} {args.backends[1]}"]
+                )
+        for label, value in ratios.items():  # goals: AR >= 0.5x llama.cpp at 1 thread, DFlash > 1x
+            print(f"  {label:34s} {value:5.2f}x")
     runs = len(prompts) * len(args.threads)
     print("\ngreedy agreement over " + f"{runs} runs: " + ", ".join(f"{k} {v}/{runs}" for k, v in agree.items()))
 

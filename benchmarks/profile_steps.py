@@ -3,10 +3,12 @@
     python benchmarks/profile_steps.py [--threads 1] [--steps 200]
 
 Part 1 times one AR round (draft_round + verify_round, no drafter) in nested sections: the
-compiled graph call (dynamo's guards, the AOT wrappers and inductor's kernels), the target's
-forward around it (bucket padding, K/V moves), and the round (the speculator's bookkeeping and
-the greedy choice). Part 2 profiles the compiled decode (1 token) and verify (block) steps with
-torch.profiler, inductor's kernels named, and lists the operators by self time. Part 3 times one
+compiled graph call (an AOTInductor package's run, or with PDFLASH_STEP_BACKEND=inductor
+dynamo's guards, the AOT wrappers and inductor's kernels), the target's forward around it (bucket
+padding, K/V moves), and the round (the speculator's bookkeeping and the greedy choice). Part 2
+profiles the compiled decode (1 token) and verify (block) steps with torch.profiler, inductor's
+kernels named (steps built apart with kernel profiling on, which part 1 leaves off), and lists
+the operators by self time. Part 3 times one
 matmul against the head weight after a 64 MiB cache flush, in both layouts the steps could take.
 Medians over many steps; the machine is shared, so read the proportions, not the rates.
 """
@@ -36,14 +38,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="decode rounds timed in part 1")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch._inductor.config.cpp.enable_kernel_profile = True  # inductor's kernels by name in part 2
 
     from torch.profiler import ProfilerActivity, profile
 
     from pdflash.bundled import BUNDLED_TARGET
     from pdflash.sampling import SamplingParams
     from pdflash.spec.speculator import Speculator
-    from pdflash.target.compiled import StepBuckets, TargetSteps, transposed
+    from pdflash.target.compiled import StepBuckets, TargetSteps, step_backend, transposed
     from pdflash.target.loader import load_target
 
     loaded = load_target(BUNDLED_TARGET)
@@ -67,10 +68,17 @@ def main() -> None:
         sections["round"].append(time.perf_counter() - started)
     speculator.release(session)
     model.forward = forward  # type: ignore[method-assign]
-    print(f"\npart 1: one AR decode round, {args.threads} thread(s), median ms over {args.steps} rounds")
+    backend = step_backend(model.device)
+    print(
+        f"\npart 1: one AR decode round, {backend} steps, {args.threads} thread(s), median ms over {args.steps} rounds"
+    )
     for name, values in sections.items():
         print(f"  {name:16s} {statistics.median(values) * 1e3:6.3f}  (min {min(values) * 1e3:.3f})")
 
+    torch._inductor.config.cpp.enable_kernel_profile = True  # inductor's kernels by name in part 2
+    torch._dynamo.reset()  # torch.compile builds them again, with it (AOT packages are keyed on it)
+    model.steps = TargetSteps(model, StepBuckets(batch=(1,), tokens=(1, 8)))
+    print(f"\nwarm-up with kernel profiling: {model.steps.warm_up(model.new_cache):.1f} s")
     cache = model.new_cache()
     model.forward([torch.arange(150) % 4000 + 1], [cache])  # a 150-token past
     for tokens in (1, 8):

@@ -22,6 +22,16 @@ from hf_fixtures import HF_CONFIGS, write_hf_checkpoint  # noqa: E402
 from pdflash.target.tiny import write_tiny_target  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def aot_cache(tmp_path_factory) -> Path:
+    """AOTInductor step packages go to a directory of this session: never the user's cache."""
+    from pdflash.target.aot import CACHE_ENV
+
+    directory = tmp_path_factory.mktemp("aot")
+    os.environ[CACHE_ENV] = str(directory)
+    return directory
+
+
 @pytest.fixture(scope="session", params=sorted(HF_CONFIGS))
 def hf_checkpoint(request, tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param)

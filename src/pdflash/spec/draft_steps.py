@@ -13,14 +13,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from pdflash.target.compiled import KEY_QUANTUM, StepBuckets, bucket_of, compile_step, log, transposed
+from pdflash.target.compiled import KEY_QUANTUM, StepBuckets, bind_step, bucket_of, log, transposed
 from pdflash.target.kv_cache import KVCache, gather_past, store_new
 from pdflash.target.model import rms_norm
 from pdflash.target.steps import dense_mlp, linear, masked_attention
@@ -123,18 +122,6 @@ class DraftSteps:
         self.drafter, self.buckets, self.compiled = drafter, buckets, compiled
         cfg = drafter.config
         device = drafter.embed.device
-        step = compile_step(draft_step, device) if compiled else draft_step
-        self._step = partial(
-            step,
-            rope_scale=drafter.rotary.scale,
-            num_heads=cfg.num_heads,
-            eps=cfg.rms_norm_eps,
-            embedding_scale=cfg.input_embedding_scale,
-            output_multiplier=cfg.output_multiplier,
-            softcap=cfg.logit_softcap,
-            causal=cfg.causal,
-            window=cfg.sliding_window,
-        )
         self._inv_freq = drafter.rotary.inv_freq.to(device)
         self._layers = tuple(
             (w.input_norm, w.post_attention_norm, *map(transposed, (w.q_proj, w.kv_proj, w.o_proj)), w.q_norm,
@@ -143,6 +130,26 @@ class DraftSteps:
         )  # fmt: skip
         self._lm_head_t = transposed(drafter.lm_head) if lm_head_t is None else lm_head_t  # [H, V]
         self._fc_t = transposed(drafter.fc)
+        options = {
+            "rope_scale": drafter.rotary.scale,
+            "num_heads": cfg.num_heads,
+            "eps": cfg.rms_norm_eps,
+            "embedding_scale": cfg.input_embedding_scale,
+            "output_multiplier": cfg.output_multiplier,
+            "softcap": cfg.logit_softcap,
+            "causal": cfg.causal,
+            "window": cfg.sliding_window,
+        }
+        weights = (
+            drafter.embed,
+            self._lm_head_t,
+            self._fc_t,
+            drafter.hidden_norm,
+            drafter.norm,
+            self._inv_freq,
+            self._layers,
+        )
+        self._step = bind_step(draft_step, device, weights, options, key_dims={5: 3, 6: 3}, compiled=compiled)
         self.fallbacks: Counter[str] = Counter()
         self.warm_up_s = 0.0
 
@@ -189,20 +196,16 @@ class DraftSteps:
             ctx[row, : ctx_rows[row]] = context
             ids[row, : block_rows[row]] = block
         past_k, past_v = gather_past(caches, keys, batch)  # [L, B, kv, S, D]
-        if self.compiled:
-            torch._dynamo.mark_dynamic(past_k, 3)
-            torch._dynamo.mark_dynamic(past_v, 3)
-            if device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
+        if self.compiled and device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
         pad = [0] * (batch - len(caches))
 
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values + pad, dtype=torch.int64, device=device)
 
         logits, new_k, new_v = self._step(
-            ctx, column(ctx_rows), ids.to(device), column(block_rows), column(lengths), past_k, past_v,
-            d.embed, self._lm_head_t, self._fc_t, d.hidden_norm, d.norm, self._inv_freq, self._layers,
-        )  # fmt: skip
+            ctx, column(ctx_rows), ids.to(device), column(block_rows), column(lengths), past_k, past_v
+        )
         store_new(caches, ctx_rows, new_k, new_v, commit=True)
         return [logits[row, 1:n].clone() for row, n in enumerate(block_rows)]
 

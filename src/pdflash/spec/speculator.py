@@ -229,7 +229,9 @@ class Speculator:
                 drafted=block[1:].tolist(),
                 stop_ids=s.rule.stop_ids,
             )
-            if s.params.greedy or len(block) == 1:
+            if len(block) == 1:  # plain decoding: nothing to accept
+                choices[i] = (0, int(sample(adjusted, s.params, s.generator)[0]))
+            elif s.params.greedy:
                 posterior = sample(adjusted, s.params, s.generator).cpu()  # [b] target's token after each position
                 accepted = int((block[1:] == posterior[:-1]).int().cumprod(dim=0).sum())
                 choices[i] = (accepted, int(posterior[accepted]))

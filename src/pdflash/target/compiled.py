@@ -3,14 +3,16 @@
 Owns choosing a step's bucket (sequences padded up to a batch bucket, each block up to a token
 bucket, the past up to a multiple of `KEY_QUANTUM`), gathering the past K/V into the padded
 batch and writing the real tokens' K/V back, the compiled callables (one per step function; a
-new bucket is a new static specialisation, compiled once and cached by torch.compile), and the
-eager fallback for a shape outside every bucket (a logged reason, never an error). The math
-lives in `steps.py`; expert weights still come wave by wave from the model's provider.
+new bucket is a new static specialisation, compiled once and cached: the whole steps by the step
+backend, `bind_step`: AOTInductor packages on disk (`aot.py`) or torch.compile), and the eager
+fallback for a shape outside every bucket (a logged reason, never an error). The math lives in
+`steps.py`; expert weights still come wave by wave from the model's provider.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -22,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from pdflash.target import steps
+from pdflash.target.aot import AotStep
 from pdflash.target.experts import ResidentExperts
 from pdflash.target.kv_cache import KVCache, gather_past, store_new
 
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BACKEND_ENV = "PDFLASH_STEP_BACKEND"  # "aot" or "inductor" (step_backend)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 CPP_WRAPPER = True
 KEY_QUANTUM = 64  # the padded past is a multiple of this many keys (its length is a dynamic dim)
@@ -77,6 +81,43 @@ def compile_step(fn: Callable, device: torch.device) -> Callable:
     return torch.compile(fn, fullgraph=True, options={"cpp_wrapper": CPP_WRAPPER})
 
 
+def step_backend(device: torch.device) -> str:
+    """How whole steps compile: "aot" (AOTInductor packages, the CPU default), "inductor"
+    (torch.compile; always on CUDA, where it captures CUDA graphs), or $PDFLASH_STEP_BACKEND."""
+    if device.type != "cpu":
+        return "inductor"
+    backend = os.environ.get(BACKEND_ENV, "aot")
+    if backend not in ("aot", "inductor"):
+        raise ValueError(f"${BACKEND_ENV} must be 'aot' or 'inductor', got {backend!r}")
+    return backend
+
+
+def bind_step(
+    fn: Callable,
+    device: torch.device,
+    constants: tuple[Any, ...],
+    options: dict[str, Any],
+    *,
+    key_dims: dict[int, int],
+    compiled: bool,
+) -> Callable[..., Any]:
+    """`fn(*inputs, *constants, **options)` as a callable of the inputs alone, compiled by the
+    step backend (`compiled=False`: fn itself). `key_dims` maps an input to its key-length
+    dimension, which stays dynamic: one compiled form serves every past length."""
+    if not compiled:
+        return lambda *inputs: fn(*inputs, *constants, **options)
+    step = compile_step(fn, device)
+
+    def inductor(*inputs: torch.Tensor) -> Any:
+        for index, dim in key_dims.items():
+            torch._dynamo.mark_dynamic(inputs[index], dim)
+        return step(*inputs, *constants, **options)
+
+    if step_backend(device) == "aot":
+        return AotStep(fn, constants, options=options, key_dims=key_dims, min_keys=KEY_QUANTUM, fallback=inductor)
+    return inductor
+
+
 class TargetSteps:
     """Runs the target's forward through the static-shape steps when its shape fits a bucket."""
 
@@ -92,7 +133,6 @@ class TargetSteps:
             "top_k": cfg.top_k,
             "norm_topk": cfg.norm_topk_prob,
         }
-        self._step = partial(wrap(steps.whole_step), rope_scale=model.rotary.scale, **consts)
         self._inputs = wrap(steps.step_inputs)
         self._attention = partial(wrap(steps.attention_step), **consts)
         self._experts = wrap(steps.gathered_experts)
@@ -106,6 +146,7 @@ class TargetSteps:
         )  # fmt: skip  # attention_step's weights per layer, linear ones transposed
         self._dense = {i: tuple(map(transposed, w.dense)) for i, w in enumerate(model.layers) if w.dense is not None}
         self.lm_head_t = transposed(model.lm_head)  # [H, V] (a drafter sharing the head shares this too)
+        self._step = self._bind_whole(consts) if isinstance(model.experts, ResidentExperts) else None
         self.fallbacks: Counter[str] = Counter()  # reason -> eager forwards taken for it
         self.warm_up_s = 0.0
 
@@ -150,7 +191,8 @@ class TargetSteps:
         keys = -(-max(lengths) // KEY_QUANTUM) * KEY_QUANTUM or KEY_QUANTUM  # padded past S
         for cache, n in zip(caches, counts, strict=True):
             cache.reserve(max(keys, cache.length + n))
-        full = len(counts) == batch and min(counts) == tokens  # no padded row or token: outputs are views
+        full = len(counts) == batch and min(counts) == tokens  # no padded row or token
+        views = full and not (model.device.type == "cuda" and self.compiled)  # a CUDA graph reuses its outputs
         if full:
             ids = torch.stack(list(token_ids))  # [B, n]
         else:
@@ -159,17 +201,17 @@ class TargetSteps:
                 ids[row, : counts[row]] = t
         past_k, past_v = gather_past(caches, keys, batch)  # [L, B, kv, S, D] each
         lengths_t = torch.tensor(lengths + [0] * (batch - len(counts)), dtype=torch.int64)
-        every = _real_rows(counts, tokens, last_only=False)  # [T_real] rows of real tokens
+        every = None if views else _real_rows(counts, tokens, last_only=False).to(model.device)  # [T_real] real rows
         if model.device.type == "cuda" and self.compiled:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be reused
-        run = self._whole if isinstance(model.experts, ResidentExperts) else self._layered
+        run = self._whole if self._step is not None else self._layered
         logits, new_k, new_v, outputs, routed = run(
-            ids.to(model.device), lengths_t.to(model.device), past_k, past_v, every.to(model.device)
+            ids.to(model.device), lengths_t.to(model.device), past_k, past_v, every
         )
         store_new(caches, counts, new_k, new_v, commit=commit)
         logits = logits.view(batch * tokens, -1)  # [B*n, V]
         flat = outputs.view(len(model.layers), batch * tokens, cfg.hidden_size)  # [L, B*n, H]
-        if full and not (model.device.type == "cuda" and self.compiled):  # a CUDA graph reuses its outputs
+        if views:  # outputs returned as views of the step's, not index copies
             last = logits.view(batch, tokens, -1)[:, -1] if last_logits_only else logits  # [N, V] or [T, V]
             return BatchOutput(
                 seq_lens=tuple(counts),
@@ -177,8 +219,8 @@ class TargetSteps:
                 taps=torch.cat([flat[t] for t in taps], dim=-1) if taps else None,
                 routed=routed,
             )
+        assert every is not None  # set whenever outputs are copied
         rows = _real_rows(counts, tokens, last_only=last_logits_only).to(model.device)
-        every = every.to(model.device)
         return BatchOutput(
             seq_lens=tuple(counts),
             logits=logits[rows],
@@ -192,15 +234,21 @@ class TargetSteps:
             torch._dynamo.mark_dynamic(tensor, dim)
         return tensor
 
-    def _whole(self, ids, lengths, past_k, past_v, every) -> tuple[torch.Tensor, ...]:
-        """All layers in one compiled call (every expert resident)."""
+    def _bind_whole(self, consts: dict[str, Any]) -> Callable[..., Any]:
+        """whole_step over the model's weights, a callable of (ids, lengths, past_k, past_v)."""
         model = self.model
         stacks = model.experts.stacks  # type: ignore[attr-defined]  # a ResidentExperts
         mlps = tuple(stacks[i] if w.router is not None else self._dense[i] for i, w in enumerate(model.layers))
-        return self._step(
-            ids, lengths, self._mark(past_k, 3), self._mark(past_v, 3), model.embed, self._inv_freq,
-            self._layers, mlps, model.final_norm, self.lm_head_t,
-        )  # fmt: skip
+        weights = (model.embed, self._inv_freq, self._layers, mlps, model.final_norm, self.lm_head_t)
+        options = {"rope_scale": model.rotary.scale, **consts}
+        return bind_step(
+            steps.whole_step, model.device, weights, options, key_dims={2: 3, 3: 3}, compiled=self.compiled
+        )
+
+    def _whole(self, ids, lengths, past_k, past_v, every) -> tuple[torch.Tensor, ...]:
+        """All layers in one compiled call (every expert resident)."""
+        assert self._step is not None  # bound at install when the experts are resident
+        return self._step(ids, lengths, past_k, past_v)
 
     def _layered(self, ids, lengths, past_k, past_v, every) -> tuple[torch.Tensor, ...]:
         """A compiled call per layer part, expert waves from the provider in between (offloaded experts)."""
@@ -210,7 +258,6 @@ class TargetSteps:
         layer_k = [self._mark(t, 2) for t in past_k.unbind(0)]  # [B, kv, S, D] per layer
         layer_v = [self._mark(t, 2) for t in past_v.unbind(0)]
         mlp_out = torch.zeros((ids.numel(), cfg.hidden_size), dtype=torch.float32, device=ids.device)
-        padded = every.numel() < ids.numel()
         new_k, new_v, outputs, routed = [], [], [], []
         for layer, w in enumerate(model.layers):
             outs = self._attention(x, mlp_out, cos, sin, visible, layer_k[layer], layer_v[layer], *self._layers[layer])
@@ -223,7 +270,7 @@ class TargetSteps:
                 continue
             topk_ids, topk_weights = outs[5:]
             routed.append(topk_ids)
-            union = topk_ids[every] if padded else topk_ids  # padded rows fetch nothing
+            union = topk_ids if every is None else topk_ids[every]  # padded rows fetch nothing
             parts = [
                 self._experts(h, topk_ids, topk_weights, wave.slot_of_expert, wave.gate, wave.up, wave.down)
                 for wave in model.experts.waves(layer, union.unique().tolist())
