@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Protocol, cast
 
 import attrs
 import numpy as np
@@ -88,9 +89,19 @@ def admit_verify_demands(
     )
 
 
+class Column(Protocol):
+    """A column read by slices ([n] int64): an array, or charges computed as they are read."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: slice, /) -> npt.NDArray[np.int64]: ...
+
+
+FIRST_CHUNK = 32  # demands a long line's first look covers; each later look doubles it
+
+
 def first_fit(
     tokens: Sequence[int] | npt.NDArray[np.int64],
-    expert_bytes: Sequence[int] | npt.NDArray[np.int64],
+    expert_bytes: Sequence[int] | Column,
     skipped_ticks: Sequence[int] | npt.NDArray[np.int64],
     pool_tokens: int,
     pool_bytes: int,
@@ -101,13 +112,9 @@ def first_fit(
     dimensions, stopping at a barrier (skipped `barrier_after` times and not fitting), and the
     pool left over (unclamped). Inputs are not checked: `admit_verify_demands` checks them."""
     if isinstance(tokens, np.ndarray):  # a long line (the scheduler's): look only where it can matter
-        t, b, s = tokens, np.asarray(expert_bytes), np.asarray(skipped_ticks)
-        # The pool only shrinks: a demand that does not fit it now never will, so only the ones that
-        # fit now and the guarded ones (the possible barriers) need a look, in order.
-        look = np.flatnonzero(((t <= pool_tokens) & (b <= pool_bytes)) | (s >= barrier_after))
-        line = zip(look.tolist(), t[look].tolist(), b[look].tolist(), s[look].tolist())
-    else:
-        line = zip(itertools.count(), tokens, expert_bytes, skipped_ticks)
+        b = np.asarray(expert_bytes, dtype=np.int64) if isinstance(expert_bytes, Sequence) else expert_bytes
+        return _first_fit_looking_ahead(tokens, b, np.asarray(skipped_ticks), pool_tokens, pool_bytes, barrier_after)
+    line = zip(itertools.count(), tokens, cast(Sequence[int], expert_bytes), skipped_ticks)
     admitted = []
     for i, ti, bi, si in line:
         if ti <= pool_tokens and bi <= pool_bytes:
@@ -116,6 +123,38 @@ def first_fit(
             pool_bytes -= bi
         elif si >= barrier_after:
             break  # starvation guard: the pool is saved for this demand
+    return admitted, pool_tokens, pool_bytes
+
+
+def _first_fit_looking_ahead(
+    t: npt.NDArray[np.int64],
+    b: Column,
+    s: npt.NDArray[np.int64],
+    pool_tokens: int,
+    pool_bytes: int,
+    barrier_after: int,
+) -> tuple[list[int], int, int]:
+    """`first_fit` reading the line in growing chunks, and not past the point where nothing
+    more can fit: the pool only shrinks, so once it holds fewer tokens than any demand left
+    (or negative bytes, as every charge is >= 0), the rest is neither admitted nor a barrier
+    that changes anything. Within a chunk, only the demands that fit now and the guarded ones
+    (the possible barriers) get a look, in order. `b` is read only up to where it looked."""
+    n = len(t)
+    fewest_after = np.minimum.accumulate(t[::-1])[::-1]  # [n] fewest tokens of demands i.. n-1
+    admitted: list[int] = []
+    lo, size = 0, FIRST_CHUNK
+    while lo < n and pool_tokens >= fewest_after[lo] and pool_bytes >= 0:
+        hi = min(n, lo + size)
+        ti, bi, si = t[lo:hi], b[lo:hi], s[lo:hi]
+        look = np.flatnonzero(((ti <= pool_tokens) & (bi <= pool_bytes)) | (si >= barrier_after))
+        for i, tj, bj, sj in zip(look.tolist(), ti[look].tolist(), bi[look].tolist(), si[look].tolist()):
+            if tj <= pool_tokens and bj <= pool_bytes:
+                admitted.append(lo + i)
+                pool_tokens -= tj
+                pool_bytes -= bj
+            elif sj >= barrier_after:
+                return admitted, pool_tokens, pool_bytes  # starvation guard: the pool is saved for it
+        lo, size = hi, 2 * size
     return admitted, pool_tokens, pool_bytes
 
 

@@ -13,7 +13,7 @@ import enum
 import functools
 import operator
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence, Set
 from typing import Protocol
 
 import numpy as np
@@ -180,6 +180,48 @@ def marginal_charges(
     """
     np.bitwise_or.accumulate(stacked, axis=0, out=stacked)
     return np.diff(masks.row_bytes(stacked, scratch))
+
+
+class LazyMarginal:
+    """[n] `marginal_charges` of a line of rows, each computed when first read: reading
+    `charges[lo:hi]` counts the rows up to `hi` not counted yet, in one vectorized pass from
+    where the last read stopped. A tick that admits nothing past its first rows (its tokens
+    spent) never counts the rest of a long line.
+
+    `rows(lo, hi)` gives line rows lo..hi-1 ([hi - lo, words], fresh: they are overwritten);
+    `covered` ([words]) is what every row is charged against first.
+    """
+
+    def __init__(
+        self,
+        masks: ExpertMasks,
+        covered: Rows,
+        n: int,
+        rows: Callable[[int, int], Rows],
+        scratch: npt.NDArray[np.uint8] | None = None,
+    ) -> None:
+        self._masks, self._rows, self._scratch = masks, rows, scratch
+        self._values = np.zeros(n, dtype=np.int64)  # [n] bytes; valid below self._counted
+        self._counted = 0
+        self._covered = covered  # [words] covered ∪ every row counted so far
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def covered(self) -> Rows:
+        """[words] the covered row with every row counted so far or-ed in (do not write to it)."""
+        return self._covered
+
+    def __getitem__(self, index: slice) -> npt.NDArray[np.int64]:
+        _, hi, _ = index.indices(len(self._values))
+        if hi > self._counted:
+            lo = self._counted
+            stacked = np.concatenate((self._covered[None], self._rows(lo, hi)))  # [1 + hi - lo, words]
+            scratch = self._scratch if self._scratch is not None and len(self._scratch) > hi - lo else None
+            self._values[lo:hi] = marginal_charges(self._masks, stacked, scratch)
+            self._covered, self._counted = stacked[-1], hi
+        return self._values[index]
 
 
 def without(rows: Rows, covered: Rows) -> Rows:

@@ -16,7 +16,7 @@ from collections.abc import Sequence, Set
 import numpy as np
 import numpy.typing as npt
 
-from pdflash.engine.charging import ExpertMasks, Rows, TrackedRow, UnionOf, marginal_charges, without
+from pdflash.engine.charging import ExpertMasks, LazyMarginal, Rows, TrackedRow, UnionOf, without
 from pdflash.target.experts import ExpertKey
 
 Slots = npt.NDArray[np.intp]  # [n] slot numbers, a tick's line in order
@@ -79,20 +79,18 @@ class DemandTable:
         if key is not None and self._unions.get(key, (None, EMPTY))[1] == slot:
             del self._unions[key]
 
-    def uncovered(self, slots: Slots, covered: Rows) -> Rows:
-        """[1 + n, words]: an empty row, then the union of each of `slots` less `covered` ([words])."""
-        rows = self._rows.take(np.concatenate(([EMPTY], slots)), axis=0)
-        return without(rows, covered)
-
-    def nbytes(self, rows: Rows) -> npt.NDArray[np.int64]:
-        """[n] bytes of each of `rows` ([n, words])."""
+    def alone_bytes(self, slots: Slots, covered: Rows) -> npt.NDArray[np.int64]:
+        """[n] bytes the union of each of `slots` adds to `covered` ([words]), each as if alone."""
         assert self.masks is not None
-        return self.masks.row_bytes(rows, self._counts)
+        return self.masks.row_bytes(without(self._rows.take(slots, axis=0), covered), self._counts)
 
-    def marginal(self, stacked: Rows) -> npt.NDArray[np.int64]:
-        """`charging.marginal_charges` of `stacked` ([1 + n, words], overwritten), counted in this table's scratch."""
+    def marginal(self, covered: Rows, slots: Slots) -> LazyMarginal:
+        """[n] marginal charges of the unions of `slots` in that order, beyond `covered` ([words]),
+        counted as they are read (`charging.LazyMarginal`, in this table's scratch)."""
         assert self.masks is not None
-        return marginal_charges(self.masks, stacked, self._counts)
+        return LazyMarginal(
+            self.masks, covered, len(slots), lambda lo, hi: self._rows.take(slots[lo:hi], axis=0), self._counts
+        )
 
     def _grow(self) -> None:
         n = len(self.tokens)

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdflash.checks import require_int
-from pdflash.engine.admission import ZERO, TokensBytes, VerifyAdmission, first_fit, require_fits_cap
+from pdflash.engine.admission import ZERO, Column, TokensBytes, VerifyAdmission, first_fit, require_fits_cap
 from pdflash.engine.charging import ChargeMode, ExpertMasks, Rows, charge_bytes
 from pdflash.engine.demand_table import DemandTable, slots_of
 from pdflash.engine.ordering import offer_order, offer_order_columns
@@ -223,29 +223,27 @@ class VerifyScheduler:
         waiting = list(self._queue.values())
         seated_slots = slots_of([e.slot for e in seated])
         slots = slots_of([e.slot for e in waiting])  # [m] arrival order
-        n = len(seated)
-        uncovered = None  # [1 + n + m, words]: empty, then the seated and waiting unions less resident ∪ in flight
+        covered = None  # [words] resident ∪ in flight, when charges or the order need it
         if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
             covered = self._table.covered(resident, in_flight_union)
-            uncovered = self._table.uncovered(np.concatenate((seated_slots, slots)), covered)
-        offered = self._offered(slots, uncovered[1 + n :] if uncovered is not None else None)  # [m] into waiting
+        offered = self._offered(slots, covered)  # [m] into waiting
         slots = slots[offered]
-        charges = self._charges(seated, waiting, offered, uncovered)
+        seated_charges, charges = self._charges(seated, seated_slots, [waiting[i] for i in offered], slots, covered)
         picked, pool_tokens, pool_bytes = first_fit(
             self._table.tokens[slots],
-            charges[n:],
+            charges,
             self._ticks - self._table.queued_tick[slots],
             self.budget.tokens + self._carried.tokens - int(self._table.tokens[seated_slots].sum()),
-            self.budget.expert_bytes + self._carried.expert_bytes - int(charges[:n].sum()),
+            self.budget.expert_bytes + self._carried.expert_bytes - int(seated_charges.sum()),
             self.barrier_after,
         )
-        waiting = [waiting[offered[i]] for i in picked]  # now: the admitted, in offer order
+        admitted = [waiting[offered[i]] for i in picked]  # in offer order
         self._ticks += 1  # every demand still queued after this was skipped by it
         self._pool = (pool_tokens, pool_bytes)
         self._carried = TokensBytes(pool_tokens, pool_bytes).clamped(self.cap)
-        self._hand_out(waiting, charges[n:][picked].tolist())
+        self._hand_out(admitted, charges[: picked[-1] + 1][picked].tolist() if picked else [])
         self._last_tick_s = self._clock() - start
-        ids = (tuple(e.request.seq_id for e in seated), tuple(e.request.seq_id for e in waiting))
+        ids = (tuple(e.request.seq_id for e in seated), tuple(e.request.seq_id for e in admitted))
         return VerifyAdmission(seated_ids=ids[0], admitted_ids=ids[1], carried=self._carried)
 
     def pending_count(self) -> int:
@@ -287,33 +285,38 @@ class VerifyScheduler:
             most = r.fetch_bytes if self.charge_mode is ChargeMode.FETCH else r.full_bytes
             require_fits_cap("byte_cap", self.cap.expert_bytes, most, f"the bytes {who} may be charged")
 
-    def _offered(self, slots: npt.NDArray[np.intp], uncovered: Rows | None) -> npt.NDArray[np.intp]:
-        """Indices of the waiting demands (`slots`, arrival order; `uncovered`: their unions less
-        resident ∪ in flight) in the order this tick offers them (pdflash.engine.ordering)."""
-        if self.order == "arrival" or len(slots) < 2 or uncovered is None:
+    def _offered(self, slots: npt.NDArray[np.intp], covered: Rows | None) -> npt.NDArray[np.intp]:
+        """Indices of the waiting demands (`slots`, arrival order) in the order this tick offers
+        them (pdflash.engine.ordering), their bytes counted beyond `covered` ([words])."""
+        if self.order == "arrival" or len(slots) < 2 or covered is None:
             return np.arange(len(slots), dtype=np.intp)
         t = self._table
-        alone = t.nbytes(uncovered)
         return offer_order_columns(
-            t.expected[slots], alone, self._ticks - t.queued_tick[slots], self.order, self.barrier_after
+            t.expected[slots],
+            t.alone_bytes(slots, covered),
+            self._ticks - t.queued_tick[slots],
+            self.order,
+            self.barrier_after,
         )
 
     def _charges(
-        self, seated: list[_Entry], waiting: list[_Entry], offered: npt.NDArray[np.intp], uncovered: Rows | None
-    ) -> npt.NDArray[np.int64]:
-        """[n + m] bytes charged to each demand of the line: `seated`, then `waiting` in `offered`
-        order (`uncovered`: their unions less what is covered, as `tick` has them)."""
-        n = len(seated)
+        self,
+        seated: list[_Entry],
+        seated_slots: npt.NDArray[np.intp],
+        line: list[_Entry],
+        slots: npt.NDArray[np.intp],
+        covered: Rows | None,
+    ) -> tuple[npt.NDArray[np.int64], Column]:
+        """Bytes charged to the `seated` demands ([n]) and to the waiting `line` in offer order
+        ([m], a column marginal charges count only as far as it is read)."""
         if self.token_only:
-            return np.zeros(n + len(offered), dtype=np.int64)
-        if self.charge_mode is ChargeMode.MARGINAL and uncovered is not None:
-            reordered = self.order != "arrival"  # else `uncovered` is in line order already
-            stacked = (
-                uncovered.take(np.concatenate((np.arange(n + 1), n + 1 + offered)), axis=0) if reordered else uncovered
-            )
-            return self._table.marginal(stacked)
-        line = [e.request for e in seated] + [waiting[i].request for i in offered]
-        return np.asarray(charge_bytes(line, self.charge_mode, None, frozenset(), frozenset()), dtype=np.int64)
+            return np.zeros(len(seated), dtype=np.int64), np.zeros(len(line), dtype=np.int64)
+        if self.charge_mode is ChargeMode.MARGINAL and covered is not None:
+            seated_charges = self._table.marginal(covered, seated_slots)
+            return seated_charges[:], self._table.marginal(seated_charges.covered, slots)
+        full = charge_bytes([e.request for e in seated + line], self.charge_mode, None, frozenset(), frozenset())
+        charges = np.asarray(full, dtype=np.int64)
+        return charges[: len(seated)], charges[len(seated) :]
 
     def _hand_out(self, admitted: list[_Entry], charges: Iterable[int]) -> None:
         """Move admitted demands out of the queue and wake their waiters, in order."""
@@ -340,7 +343,7 @@ class VerifyScheduler:
                 # upper bound on the marginal bytes), so re-assignment never overspends.
                 charges = np.array([e.request.full_bytes for e in waiting], dtype=np.int64)
             else:
-                charges = self._charges([], waiting, np.arange(len(waiting)), None)
+                charges = np.asarray(self._charges([], slots_of([]), waiting, slots, None)[1])
             skipped = self._ticks - self._table.queued_tick[slots]
             picked, pool_tokens, pool_bytes = first_fit(
                 self._table.tokens[slots], charges, skipped, *self._pool, self.barrier_after
