@@ -2,20 +2,17 @@
 
 Owns the (tokens, expert bytes) value type every budget, cap, carried deficit and pool is
 written in, the one-tick admission function and its input checks, including the liveness
-rule that a cap must hold the largest single demand, and its first-fit rule over a line given
-as columns (`first_fit`, which the scheduler calls with inputs it checked at registration). Pure: no I/O, no mutation, no clock;
-the ticket scheduler (pdflash.engine.scheduler) owns order, tickets and the carry.
+rule that a cap must hold the largest single demand, and its first-fit rule over a line pulled
+one demand at a time (`first_fit_stream`, which the scheduler calls with inputs it checked at
+registration). Pure: no I/O, no mutation, no clock; the ticket scheduler
+(pdflash.engine.scheduler) owns order, tickets and the carry.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Protocol, cast
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 
 
 @attrs.frozen
@@ -89,72 +86,49 @@ def admit_verify_demands(
     )
 
 
-class Column(Protocol):
-    """A column read by slices ([n] int64): an array, or charges computed as they are read."""
-
-    def __len__(self) -> int: ...
-    def __getitem__(self, index: slice, /) -> npt.NDArray[np.int64]: ...
-
-
-FIRST_CHUNK = 32  # demands a long line's first look covers; each later look doubles it
-
-
 def first_fit(
-    tokens: Sequence[int] | npt.NDArray[np.int64],
-    expert_bytes: Sequence[int] | Column,
-    skipped_ticks: Sequence[int] | npt.NDArray[np.int64],
+    tokens: Sequence[int],
+    expert_bytes: Sequence[int],
+    skipped_ticks: Sequence[int],
     pool_tokens: int,
     pool_bytes: int,
     barrier_after: int,
 ) -> tuple[list[int], int, int]:
-    """The admission rule over a line given as columns ([n] each, in order, none seated; values
-    below 2**62): indices of the demands admitted first-fit while they fit the pool in BOTH
-    dimensions, stopping at a barrier (skipped `barrier_after` times and not fitting), and the
-    pool left over (unclamped). Inputs are not checked: `admit_verify_demands` checks them."""
-    if isinstance(tokens, np.ndarray):  # a long line (the scheduler's): look only where it can matter
-        b = np.asarray(expert_bytes, dtype=np.int64) if isinstance(expert_bytes, Sequence) else expert_bytes
-        return _first_fit_looking_ahead(tokens, b, np.asarray(skipped_ticks), pool_tokens, pool_bytes, barrier_after)
-    line = zip(itertools.count(), tokens, cast(Sequence[int], expert_bytes), skipped_ticks)
-    admitted = []
-    for i, ti, bi, si in line:
-        if ti <= pool_tokens and bi <= pool_bytes:
-            admitted.append(i)
-            pool_tokens -= ti
-            pool_bytes -= bi
-        elif si >= barrier_after:
-            break  # starvation guard: the pool is saved for this demand
-    return admitted, pool_tokens, pool_bytes
+    """The admission rule over a line given as columns ([n] each, in order, none seated):
+    `first_fit_stream` over them. Inputs are not checked: `admit_verify_demands` checks them."""
+    line = zip(tokens, expert_bytes, skipped_ticks, strict=True)
+    return first_fit_stream(line, pool_tokens, pool_bytes, barrier_after, min(tokens, default=0))
 
 
-def _first_fit_looking_ahead(
-    t: npt.NDArray[np.int64],
-    b: Column,
-    s: npt.NDArray[np.int64],
+def first_fit_stream(
+    line: Iterable[tuple[int, int, int]],
     pool_tokens: int,
     pool_bytes: int,
     barrier_after: int,
+    fewest_tokens: int,
 ) -> tuple[list[int], int, int]:
-    """`first_fit` reading the line in growing chunks, and not past the point where nothing
-    more can fit: the pool only shrinks, so once it holds fewer tokens than any demand left
-    (or negative bytes, as every charge is >= 0), the rest is neither admitted nor a barrier
-    that changes anything. Within a chunk, only the demands that fit now and the guarded ones
-    (the possible barriers) get a look, in order. `b` is read only up to where it looked."""
-    n = len(t)
-    fewest_after = np.minimum.accumulate(t[::-1])[::-1]  # [n] fewest tokens of demands i.. n-1
+    """Indices of the demands of `line` ((tokens, bytes, skipped ticks) each, in order, none
+    seated) admitted first-fit while they fit the pool in BOTH dimensions, stopping at a barrier
+    (skipped `barrier_after` times and not fitting), and the pool left over (unclamped).
+
+    `line` is pulled one demand at a time, and not past the point where nothing more can fit:
+    the pool only shrinks, so once it holds fewer than `fewest_tokens` (a lower bound on the
+    tokens of every demand left) or negative bytes (every charge is >= 0), the rest is neither
+    admitted nor a barrier that changes anything. A line whose charges are counted as it is
+    pulled (the scheduler's marginal charges) is counted only that far.
+    """
     admitted: list[int] = []
-    lo, size = 0, FIRST_CHUNK
-    while lo < n and pool_tokens >= fewest_after[lo] and pool_bytes >= 0:
-        hi = min(n, lo + size)
-        ti, bi, si = t[lo:hi], b[lo:hi], s[lo:hi]
-        look = np.flatnonzero(((ti <= pool_tokens) & (bi <= pool_bytes)) | (si >= barrier_after))
-        for i, tj, bj, sj in zip(look.tolist(), ti[look].tolist(), bi[look].tolist(), si[look].tolist()):
-            if tj <= pool_tokens and bj <= pool_bytes:
-                admitted.append(lo + i)
-                pool_tokens -= tj
-                pool_bytes -= bj
-            elif sj >= barrier_after:
-                return admitted, pool_tokens, pool_bytes  # starvation guard: the pool is saved for it
-        lo, size = hi, 2 * size
+    if pool_tokens < fewest_tokens or pool_bytes < 0:
+        return admitted, pool_tokens, pool_bytes
+    for i, (tokens, expert_bytes, skipped) in enumerate(line):
+        if tokens <= pool_tokens and expert_bytes <= pool_bytes:
+            admitted.append(i)
+            pool_tokens -= tokens
+            pool_bytes -= expert_bytes
+            if pool_tokens < fewest_tokens:
+                break  # nothing left fits
+        elif skipped >= barrier_after:
+            break  # starvation guard: the pool is saved for this demand
     return admitted, pool_tokens, pool_bytes
 
 

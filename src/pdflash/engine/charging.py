@@ -13,7 +13,7 @@ import enum
 import functools
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence, Set
 from typing import Protocol
 
 import numpy as np
@@ -96,6 +96,8 @@ class ExpertMasks:
         for expert, size in byte_map.items():
             by_size[size].append(expert)
         self._sizes = tuple((size, self.mask(experts)) for size, experts in by_size.items())
+        self._one_size = self._sizes[0][0] if len(self._sizes) == 1 else None  # bytes of every expert, if one size
+        self.everything = (1 << len(byte_map)) - 1  # the mask of every expert
         self._size_bytes = np.array([size for size, _ in self._sizes], dtype=np.int64)  # [classes] bytes
         self._size_rows = np.stack([self.row(members) for _, members in self._sizes])  # [classes, words]
 
@@ -109,6 +111,8 @@ class ExpertMasks:
 
     def nbytes(self, mask: int) -> int:
         """Σ of the byte map over the experts in `mask`."""
+        if self._one_size is not None:
+            return self._one_size * mask.bit_count()
         return sum(size * (mask & members).bit_count() for size, members in self._sizes)
 
     def row(self, mask: int) -> Rows:
@@ -145,17 +149,23 @@ def packed(flags: npt.NDArray[np.bool_]) -> Rows:
 
 
 class TrackedRow:
-    """The row of a set that drifts between calls (the resident experts), kept by its differences:
-    a tick pays for the experts that came and went since the last one, not for the whole set."""
+    """The row (and int mask) of a set that drifts between calls (the resident experts), kept by its
+    differences: a tick pays for the experts that came and went since the last one, not for the whole set."""
 
     def __init__(self, masks: ExpertMasks) -> None:
         self._masks = masks
         self._set: frozenset[ExpertKey] = frozenset()
         self._flags = np.zeros(64 * masks.words, dtype=bool)  # [64 * words] one per bit
-        self._row = packed(self._flags)
+        self._bytes = np.packbits(self._flags, bitorder="little")  # [8 * words] the row's bytes
+        self._mask = 0
 
     def of(self, experts: Set[ExpertKey]) -> Rows:
-        """[words] the row of `experts` (do not write to it)."""
+        """[words] the row of `experts`."""
+        self.mask_of(experts)
+        return self._bytes.view("<u8").astype(np.uint64)
+
+    def mask_of(self, experts: Set[ExpertKey]) -> int:
+        """The int mask of `experts` (`ExpertMasks.mask`)."""
         if experts is not self._set:
             came = experts - self._set
             if 2 * len(came) + len(self._set) - len(experts) >= len(experts):  # |came| + |went| >= |experts|
@@ -164,9 +174,10 @@ class TrackedRow:
             else:
                 self._flags[self._masks.bits(self._set - experts)] = False
                 self._flags[self._masks.bits(came)] = True
-            self._row = packed(self._flags)
+            self._bytes = np.packbits(self._flags, bitorder="little")
+            self._mask = int.from_bytes(self._bytes.tobytes(), "little")
             self._set = experts if type(experts) is frozenset else frozenset(experts)
-        return self._row
+        return self._mask
 
 
 def marginal_charges(
@@ -182,46 +193,28 @@ def marginal_charges(
     return np.diff(masks.row_bytes(stacked, scratch))
 
 
-class LazyMarginal:
-    """[n] `marginal_charges` of a line of rows, each computed when first read: reading
-    `charges[lo:hi]` counts the rows up to `hi` not counted yet, in one vectorized pass from
-    where the last read stopped. A tick that admits nothing past its first rows (its tokens
-    spent) never counts the rest of a long line.
+class MarginalCounter:
+    """`marginal_charges` one union at a time, over int masks: each union is charged the bytes it
+    adds to `covered` and to every union counted before it (admitted or not). A tick counts only
+    as far down its line as first-fit reads, and after a forward has run in between (cold
+    caches) a few big-int operations per union cost less than any numpy pass over the line."""
 
-    `rows(lo, hi)` gives line rows lo..hi-1 ([hi - lo, words], fresh: they are overwritten);
-    `covered` ([words]) is what every row is charged against first.
-    """
+    def __init__(self, masks: ExpertMasks, covered: int) -> None:
+        self._masks = masks
+        self._uncovered = masks.everything & ~covered  # experts neither covered nor counted yet
 
-    def __init__(
-        self,
-        masks: ExpertMasks,
-        covered: Rows,
-        n: int,
-        rows: Callable[[int, int], Rows],
-        scratch: npt.NDArray[np.uint8] | None = None,
-    ) -> None:
-        self._masks, self._rows, self._scratch = masks, rows, scratch
-        self._values = np.zeros(n, dtype=np.int64)  # [n] bytes; valid below self._counted
-        self._counted = 0
-        self._covered = covered  # [words] covered ∪ every row counted so far
+    def __call__(self, mask: int) -> int:
+        """Bytes of `mask` not covered nor counted; they count from now on."""
+        new = mask & self._uncovered
+        if not new:
+            return 0
+        self._uncovered ^= new
+        return self._masks.nbytes(new)
 
-    def __len__(self) -> int:
-        return len(self._values)
 
-    @property
-    def covered(self) -> Rows:
-        """[words] the covered row with every row counted so far or-ed in (do not write to it)."""
-        return self._covered
-
-    def __getitem__(self, index: slice) -> npt.NDArray[np.int64]:
-        _, hi, _ = index.indices(len(self._values))
-        if hi > self._counted:
-            lo = self._counted
-            stacked = np.concatenate((self._covered[None], self._rows(lo, hi)))  # [1 + hi - lo, words]
-            scratch = self._scratch if self._scratch is not None and len(self._scratch) > hi - lo else None
-            self._values[lo:hi] = marginal_charges(self._masks, stacked, scratch)
-            self._covered, self._counted = stacked[-1], hi
-        return self._values[index]
+def row_mask(row: Rows) -> int:
+    """The int mask of one row ([words])."""
+    return int.from_bytes(row.astype("<u8", copy=False).tobytes(), "little")
 
 
 def without(rows: Rows, covered: Rows) -> Rows:

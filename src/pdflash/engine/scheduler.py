@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Set
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Set
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 
 from pdflash.checks import require_int
-from pdflash.engine.admission import ZERO, Column, TokensBytes, VerifyAdmission, first_fit, require_fits_cap
-from pdflash.engine.charging import ChargeMode, ExpertMasks, Rows, charge_bytes
+from pdflash.engine.admission import ZERO, TokensBytes, VerifyAdmission, first_fit_stream, require_fits_cap
+from pdflash.engine.charging import ChargeMode, ExpertMasks, MarginalCounter
 from pdflash.engine.demand_table import DemandTable, slots_of
 from pdflash.engine.ordering import offer_order, offer_order_columns
 from pdflash.engine.ticket import Ticket
@@ -49,6 +47,7 @@ class _Entry:
     request: VerifyRequest
     ticket: Ticket
     registered_at: float  # seconds (scheduler clock), first registration
+    queued_tick: int  # ticks run when it was first queued: the ticks since then skipped it
     slot: int  # its columns in the scheduler's DemandTable
     admitted_tick: int = -1  # tick number that admitted it
     charge: TokensBytes = ZERO  # (tokens, bytes) charged when admitted
@@ -155,7 +154,7 @@ class VerifyScheduler:
             entry.request = request  # keeps its place, its skipped ticks and its ticket
         else:
             ticket = Ticket(seq_id, self._release)
-            entry = self._queue[seq_id] = _Entry(request, ticket, self._clock(), self._table.add(self._ticks))
+            entry = self._queue[seq_id] = _Entry(request, ticket, self._clock(), self._ticks, self._table.add())
         self._table.set(entry.slot, tokens, expected_tokens, request.union)
         return entry.ticket
 
@@ -220,28 +219,18 @@ class VerifyScheduler:
         if budget is not None:  # derived budgets: this tick's quantum (the caps stay)
             self.budget = budget
         seated = list(self._in_flight.values())
-        waiting = list(self._queue.values())
-        seated_slots = slots_of([e.slot for e in seated])
-        slots = slots_of([e.slot for e in waiting])  # [m] arrival order
-        covered = None  # [words] resident ∪ in flight, when charges or the order need it
+        covered = None  # the mask of resident ∪ in flight, when charges or the order need it
         if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
             covered = self._table.covered(resident, in_flight_union)
-        offered = self._offered(slots, covered)  # [m] into waiting
-        slots = slots[offered]
-        seated_charges, charges = self._charges(seated, seated_slots, [waiting[i] for i in offered], slots, covered)
-        picked, pool_tokens, pool_bytes = first_fit(
-            self._table.tokens[slots],
-            charges,
-            self._ticks - self._table.queued_tick[slots],
-            self.budget.tokens + self._carried.tokens - int(self._table.tokens[seated_slots].sum()),
-            self.budget.expert_bytes + self._carried.expert_bytes - int(seated_charges.sum()),
-            self.barrier_after,
+        charge = self._charger(covered)
+        pool = (
+            self.budget.tokens + self._carried.tokens - sum(e.request.tokens for e in seated),
+            self.budget.expert_bytes + self._carried.expert_bytes - sum(charge(e) for e in seated),  # seated first
         )
-        admitted = [waiting[offered[i]] for i in picked]  # in offer order
+        admitted, charges, self._pool = self._first_fit(self._line(covered), charge, *pool)
         self._ticks += 1  # every demand still queued after this was skipped by it
-        self._pool = (pool_tokens, pool_bytes)
-        self._carried = TokensBytes(pool_tokens, pool_bytes).clamped(self.cap)
-        self._hand_out(admitted, charges[: picked[-1] + 1][picked].tolist() if picked else [])
+        self._carried = TokensBytes(*self._pool).clamped(self.cap)
+        self._hand_out(admitted, charges)
         self._last_tick_s = self._clock() - start
         ids = (tuple(e.request.seq_id for e in seated), tuple(e.request.seq_id for e in admitted))
         return VerifyAdmission(seated_ids=ids[0], admitted_ids=ids[1], carried=self._carried)
@@ -285,38 +274,59 @@ class VerifyScheduler:
             most = r.fetch_bytes if self.charge_mode is ChargeMode.FETCH else r.full_bytes
             require_fits_cap("byte_cap", self.cap.expert_bytes, most, f"the bytes {who} may be charged")
 
-    def _offered(self, slots: npt.NDArray[np.intp], covered: Rows | None) -> npt.NDArray[np.intp]:
-        """Indices of the waiting demands (`slots`, arrival order) in the order this tick offers
-        them (pdflash.engine.ordering), their bytes counted beyond `covered` ([words])."""
-        if self.order == "arrival" or len(slots) < 2 or covered is None:
-            return np.arange(len(slots), dtype=np.intp)
-        t = self._table
-        return offer_order_columns(
-            t.expected[slots],
-            t.alone_bytes(slots, covered),
-            self._ticks - t.queued_tick[slots],
-            self.order,
-            self.barrier_after,
+    def _line(self, covered: int | None) -> Iterator[_Entry]:
+        """The waiting demands in the order this tick offers them (pdflash.engine.ordering), as
+        first-fit pulls them. The guarded ones come first, in arrival order; as queued ticks
+        only grow along the arrival order, they are a prefix of it. The rest is ordered (their
+        bytes counted beyond `covered`) only if first-fit gets that far."""
+        waiting = iter(self._queue.values())
+        for entry in waiting:
+            if self._ticks - entry.queued_tick < self.barrier_after:
+                break
+            yield entry
+        else:
+            return
+        if self.order == "arrival" or covered is None:
+            yield entry
+            yield from waiting
+            return
+        rest = [entry, *waiting]
+        t, slots = self._table, slots_of([e.slot for e in rest])
+        skipped = [self._ticks - e.queued_tick for e in rest]
+        order = offer_order_columns(
+            t.expected[slots], t.alone_bytes(slots, covered), skipped, self.order, self.barrier_after
         )
+        yield from map(rest.__getitem__, order.tolist())
 
-    def _charges(
-        self,
-        seated: list[_Entry],
-        seated_slots: npt.NDArray[np.intp],
-        line: list[_Entry],
-        slots: npt.NDArray[np.intp],
-        covered: Rows | None,
-    ) -> tuple[npt.NDArray[np.int64], Column]:
-        """Bytes charged to the `seated` demands ([n]) and to the waiting `line` in offer order
-        ([m], a column marginal charges count only as far as it is read)."""
+    def _charger(self, covered: int | None) -> Callable[[_Entry], int]:
+        """Bytes to charge each demand it is called on, in the order called: marginal charges
+        count each union beyond `covered` and every union charged before it."""
         if self.token_only:
-            return np.zeros(len(seated), dtype=np.int64), np.zeros(len(line), dtype=np.int64)
+            return lambda entry: 0
         if self.charge_mode is ChargeMode.MARGINAL and covered is not None:
-            seated_charges = self._table.marginal(covered, seated_slots)
-            return seated_charges[:], self._table.marginal(seated_charges.covered, slots)
-        full = charge_bytes([e.request for e in seated + line], self.charge_mode, None, frozenset(), frozenset())
-        charges = np.asarray(full, dtype=np.int64)
-        return charges[: len(seated)], charges[len(seated) :]
+            counter, masks_of = MarginalCounter(self._table.masks, covered), self._table.masks_of
+            return lambda entry: counter(masks_of[entry.slot])
+        if self.charge_mode is ChargeMode.FETCH:
+            return lambda entry: entry.request.fetch_bytes
+        return lambda entry: entry.request.full_bytes  # full; marginal's upper bound between ticks
+
+    def _first_fit(
+        self, line: Iterable[_Entry], charge: Callable[[_Entry], int], pool_tokens: int, pool_bytes: int
+    ) -> tuple[list[_Entry], list[int], tuple[int, int]]:
+        """`first_fit_stream` over `line` charged by `charge`: the admitted demands, their charges
+        and the pool left over."""
+        offered: list[tuple[_Entry, int]] = []
+
+        def columns() -> Iterator[tuple[int, int, int]]:
+            for entry in line:
+                offered.append((entry, charge(entry)))
+                yield entry.request.tokens, offered[-1][1], self._ticks - entry.queued_tick
+
+        fewest = self._table.fewest_tokens()
+        picked, pool_tokens, pool_bytes = first_fit_stream(
+            columns(), pool_tokens, pool_bytes, self.barrier_after, fewest
+        )
+        return [offered[i][0] for i in picked], [offered[i][1] for i in picked], (pool_tokens, pool_bytes)
 
     def _hand_out(self, admitted: list[_Entry], charges: Iterable[int]) -> None:
         """Move admitted demands out of the queue and wake their waiters, in order."""
@@ -334,20 +344,10 @@ class VerifyScheduler:
             entry.ticket._admit()
 
     def _reassign(self) -> None:
-        """Hand the current tick's leftover pool to waiting demands; not a new tick."""
-        if self._pool[0] >= 0 and self._pool[1] >= 0 and self._queue:  # else nothing fits
-            waiting = list(self._queue.values())
-            slots = slots_of([e.slot for e in waiting])
-            if not self.token_only and self.charge_mode is ChargeMode.MARGINAL:
-                # No fresh resident / in-flight sets between ticks: charge full unions (an
-                # upper bound on the marginal bytes), so re-assignment never overspends.
-                charges = np.array([e.request.full_bytes for e in waiting], dtype=np.int64)
-            else:
-                charges = np.asarray(self._charges([], slots_of([]), waiting, slots, None)[1])
-            skipped = self._ticks - self._table.queued_tick[slots]
-            picked, pool_tokens, pool_bytes = first_fit(
-                self._table.tokens[slots], charges, skipped, *self._pool, self.barrier_after
-            )
-            self._pool = (pool_tokens, pool_bytes)
-            self._hand_out([waiting[i] for i in picked], charges[picked].tolist())
+        """Hand the current tick's leftover pool to waiting demands, in arrival order; not a new tick.
+        No fresh resident / in-flight sets between ticks: marginal charges are full unions (an
+        upper bound on the marginal bytes), so re-assignment never overspends."""
+        if self._queue:
+            admitted, charges, self._pool = self._first_fit(self._queue.values(), self._charger(None), *self._pool)
+            self._hand_out(admitted, charges)
         self._carried = TokensBytes(*self._pool).clamped(self.cap)
