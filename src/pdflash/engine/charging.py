@@ -14,7 +14,7 @@ import functools
 import operator
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence, Set
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -148,13 +148,26 @@ def packed(flags: npt.NDArray[np.bool_]) -> Rows:
     return np.packbits(flags, bitorder="little").view("<u8").astype(np.uint64)
 
 
+class Journaled(Protocol):
+    """A set that knows where its change journal stood when it was taken (the device cache's
+    `slot_table.ResidentKeys` snapshots)."""
+
+    journal: object  # the journal, compared by identity
+    position: int  # changes in it up to this set
+
+    def changes_since(self, journal: object, position: int) -> Mapping[ExpertKey, bool] | None: ...
+
+
 class TrackedRow:
     """The row (and int mask) of a set that drifts between calls (the resident experts), kept by its
-    differences: a tick pays for the experts that came and went since the last one, not for the whole set."""
+    differences: a tick pays for the experts that came and went since the last one, not for the
+    whole set. A `Journaled` set says what changed itself; any other set is compared with the
+    last one (two set differences over every resident expert, about 40 µs for 1,536 of them)."""
 
     def __init__(self, masks: ExpertMasks) -> None:
         self._masks = masks
-        self._set: frozenset[ExpertKey] = frozenset()
+        self._set: Set[ExpertKey] | None = frozenset()  # the last set, unless it came with a journal
+        self._at: tuple[object, int] = (None, 0)  # (journal, position) of the last set, if it came with one
         self._flags = np.zeros(64 * masks.words, dtype=bool)  # [64 * words] one per bit
         self._bytes = np.packbits(self._flags, bitorder="little")  # [8 * words] the row's bytes
         self._mask = 0
@@ -166,17 +179,26 @@ class TrackedRow:
 
     def mask_of(self, experts: Set[ExpertKey]) -> int:
         """The int mask of `experts` (`ExpertMasks.mask`)."""
-        if experts is not self._set:
-            came = experts - self._set
-            if 2 * len(came) + len(self._set) - len(experts) >= len(experts):  # |came| + |went| >= |experts|
-                self._flags[:] = False  # rebuilt whole: cheaper than the differences
-                self._flags[self._masks.bits(experts)] = True
-            else:
-                self._flags[self._masks.bits(self._set - experts)] = False
-                self._flags[self._masks.bits(came)] = True
-            self._bytes = np.packbits(self._flags, bitorder="little")
-            self._mask = int.from_bytes(self._bytes.tobytes(), "little")
-            self._set = experts if type(experts) is frozenset else frozenset(experts)
+        if experts is self._set:
+            return self._mask
+        journaled = cast(Journaled, experts) if hasattr(experts, "changes_since") else None
+        changes = journaled.changes_since(*self._at) if journaled is not None else None
+        if changes is not None:  # what the journal says changed: no set of every expert is read
+            if not changes:
+                return self._mask
+            self._flags[self._masks.bits(changes)] = np.fromiter(changes.values(), dtype=bool, count=len(changes))
+        elif self._set is None or 2 * len(came := experts - self._set) + len(self._set) >= 2 * len(experts):
+            self._flags[:] = False  # rebuilt whole: cheaper than the differences (|came| + |went| >= |experts|)
+            self._flags[self._masks.bits(experts)] = True
+        else:
+            self._flags[self._masks.bits(self._set - experts)] = False
+            self._flags[self._masks.bits(came)] = True
+        self._bytes = np.packbits(self._flags, bitorder="little")
+        self._mask = int.from_bytes(self._bytes.tobytes(), "little")
+        if journaled is not None:  # the set itself is not held: it goes when its taker drops it
+            self._at, self._set = (journaled.journal, journaled.position), None
+        else:
+            self._at, self._set = (None, 0), experts if type(experts) is frozenset else frozenset(experts)
         return self._mask
 
 

@@ -32,7 +32,7 @@ from pdflash.offload.gpt_oss_store import GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpertStore
 from pdflash.offload.link import Link
 from pdflash.offload.prefetch import PrefetchLane, Priority
-from pdflash.offload.slot_table import Entry, EntryState, SlotTable
+from pdflash.offload.slot_table import Entry, EntryState, ResidentKeys, SlotTable
 from pdflash.target.config import ModelConfig
 from pdflash.target.experts import ExpertKey
 from pdflash.target.gpt_oss_config import GptOssConfig
@@ -113,10 +113,11 @@ class OffloadedExperts:
             with self._cond:
                 self._unpin(held)
 
-    def resident(self) -> frozenset[ExpertKey]:
-        """Keys resident in the arena or being copied into it now (queued prefetches excluded)."""
+    def resident(self) -> ResidentKeys:
+        """Keys resident in the arena or being copied into it now (queued prefetches excluded),
+        with the journal position a tick catches up from (`slot_table.ResidentKeys`)."""
         with self._cond:
-            return frozenset(self._slots.entries)
+            return self._slots.resident()
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, union: Iterable[ExpertKey], priority: Priority = Priority.ROUTE_AHEAD) -> ExpertClaim:

@@ -3,8 +3,9 @@
 Owns the entries (an expert's slot, its fetch state, pins and whether a prefetch brought it
 in), the free slots, the prefetch claims (key -> unreleased claims on it), and the choice
 of a victim when no slot is free: among ready, unpinned entries, unclaimed before claimed,
-then the eviction policy's lowest score. Not thread-safe: the cache (`device_cache`) calls
-it under its own lock, and does the counting and the waiting.
+then the eviction policy's lowest score, and the journal of which keys came and went (read
+through `ResidentKeys` snapshots). Not thread-safe: the cache (`device_cache`) calls it under
+its own lock, and does the counting and the waiting.
 """
 
 from __future__ import annotations
@@ -37,12 +38,40 @@ class Entry:
     error: Exception | None = None
 
 
+class ResidentKeys(frozenset[ExpertKey]):
+    """The keys in the table at one moment, and where its journal stood then: whoever kept an
+    earlier snapshot's `journal` and `position` catches up by the changes between
+    (`changes_since`) instead of comparing two sets of every resident key."""
+
+    __slots__ = ("journal", "position")
+    journal: list[tuple[ExpertKey, bool]]
+    position: int
+
+    def __new__(cls, keys: Iterable[ExpertKey], journal: list[tuple[ExpertKey, bool]]) -> ResidentKeys:
+        snapshot = super().__new__(cls, keys)
+        snapshot.journal, snapshot.position = journal, len(journal)
+        return snapshot
+
+    def changes_since(self, journal: object, position: int) -> dict[ExpertKey, bool] | None:
+        """Each key that came or went after `position` of `journal` -> whether it is in this
+        snapshot; None if this snapshot was not taken from that journal at or after `position`
+        (the table started a new journal since)."""
+        if journal is not self.journal or position > self.position:
+            return None
+        return dict(self.journal[position : self.position])  # the last change of each key wins
+
+
+JOURNAL_LIMIT = 1 << 14  # changes a journal holds before the table starts a new one
+
+
 class SlotTable:
     """`num_slots` slots, each empty or holding one expert's entry."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.entries: dict[ExpertKey, Entry] = {}
+        # (key, in the table after) per change, oldest first; append-only: a full one is replaced
+        self._journal: list[tuple[ExpertKey, bool]] = []
         self.claims: dict[ExpertKey, int] = {}  # key -> unreleased claims on it
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -65,6 +94,11 @@ class SlotTable:
 
     def add(self, entry: Entry) -> None:
         self.entries[entry.key] = entry
+        self._log(entry.key, True)
+
+    def resident(self) -> ResidentKeys:
+        """The keys of every entry now (reserved or ready)."""
+        return ResidentKeys(self.entries, self._journal)
 
     def victim(self, score: Callable[[ExpertKey], tuple], *, allow_claimed: bool) -> Entry | None:
         """The entry to evict for a slot: ready, unpinned (and unclaimed unless `allow_claimed`),
@@ -83,3 +117,9 @@ class SlotTable:
         """`entry` leaves the table; its slot is free again."""
         del self.entries[entry.key]
         self._free.append(entry.slot)
+        self._log(entry.key, False)
+
+    def _log(self, key: ExpertKey, present: bool) -> None:
+        if len(self._journal) >= JOURNAL_LIMIT:
+            self._journal = []  # snapshots of the old one still read it; later readers rebuild
+        self._journal.append((key, present))
