@@ -114,6 +114,7 @@ class VerifyScheduler:
         self._queue: dict[Hashable, _Entry] = {}  # waiting, in arrival order
         self._admitted: dict[Hashable, _Entry] = {}  # admitted, not (yet) seated
         self._in_flight: dict[Hashable, _Entry] = {}  # seated every tick until finish
+        self._seated: tuple[tuple[_Entry, ...], int, tuple] | None = None  # in flight: entries, tokens, ids
         self._carried = ZERO
         self._pool = (0, 0)  # the last tick's unclamped leftover: refunds and re-assignment
         self._ticks = 0
@@ -163,10 +164,12 @@ class VerifyScheduler:
         if seq_id not in self._admitted:
             raise KeyError(f"sequence {seq_id!r} has no admitted verify to mark in flight")
         self._in_flight[seq_id] = self._admitted.pop(seq_id)
+        self._seated = None
 
     def finish(self, seq_id: Hashable) -> None:
         """The verify of `seq_id` is done; it stops being seated."""
         entry = self._admitted.pop(seq_id, None) or self._in_flight.pop(seq_id, None)
+        self._seated = None
         if entry is None:
             raise KeyError(f"sequence {seq_id!r} has no admitted or in-flight verify to finish")
         self._table.free(entry.slot)
@@ -188,6 +191,7 @@ class VerifyScheduler:
                 )
         elif (entry := self._in_flight.pop(seq_id, None)) is None:
             return False
+        self._seated = None
         self._table.free(entry.slot)
         self._reassign()
         return True
@@ -218,13 +222,16 @@ class VerifyScheduler:
         start = self._clock()
         if budget is not None:  # derived budgets: this tick's quantum (the caps stay)
             self.budget = budget
-        seated = list(self._in_flight.values())
+        if self._seated is None:  # kept between ticks while the running batch stays
+            seated = tuple(self._in_flight.values())
+            self._seated = (seated, sum(e.request.tokens for e in seated), tuple(e.request.seq_id for e in seated))
+        seated, seated_tokens, seated_ids = self._seated
         covered = None  # the mask of resident ∪ in flight, when charges or the order need it
         if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
             covered = self._table.covered(resident, in_flight_union)
         charge = self._charger(covered)
         pool = (
-            self.budget.tokens + self._carried.tokens - sum(e.request.tokens for e in seated),
+            self.budget.tokens + self._carried.tokens - seated_tokens,
             self.budget.expert_bytes + self._carried.expert_bytes - sum(charge(e) for e in seated),  # seated first
         )
         admitted, charges, self._pool = self._first_fit(self._line(covered), charge, *pool)
@@ -232,8 +239,8 @@ class VerifyScheduler:
         self._carried = TokensBytes(*self._pool).clamped(self.cap)
         self._hand_out(admitted, charges)
         self._last_tick_s = self._clock() - start
-        ids = (tuple(e.request.seq_id for e in seated), tuple(e.request.seq_id for e in admitted))
-        return VerifyAdmission(seated_ids=ids[0], admitted_ids=ids[1], carried=self._carried)
+        admitted_ids = tuple(e.request.seq_id for e in admitted)
+        return VerifyAdmission(seated_ids=seated_ids, admitted_ids=admitted_ids, carried=self._carried)
 
     def pending_count(self) -> int:
         return len(self._queue)
@@ -333,13 +340,12 @@ class VerifyScheduler:
         if not admitted:
             return
         now = self._clock()
+        self._admitted_total += len(admitted)
         for entry, charge in zip(admitted, charges, strict=True):
             seq_id = entry.request.seq_id
             del self._queue[seq_id]
-            entry.admitted_tick = self._ticks
-            entry.charge = TokensBytes(entry.request.tokens, int(charge))
+            entry.admitted_tick, entry.charge = self._ticks, TokensBytes(entry.request.tokens, charge)
             self._admitted[seq_id] = entry
-            self._admitted_total += 1
             self._waits.append(now - entry.registered_at)
             entry.ticket._admit()
 

@@ -1,0 +1,142 @@
+"""What a tick computes only as far as it reads: first-fit pulled one demand at a time and
+stopped once nothing more can fit, marginal charges counted one union at a time over int
+masks, the resident row caught up from the device cache's change journal, and expert bits by
+arithmetic on a grid byte map; each against its plain definition."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdflash.engine.admission import first_fit_stream
+from pdflash.engine.charging import ExpertMasks, MarginalCounter, TrackedRow
+from pdflash.offload import slot_table
+from pdflash.offload.slot_table import Entry, SlotTable
+
+PROPS = settings(max_examples=200, deadline=None)
+
+
+def first_fit_reading_everything(line, pool_tokens, pool_bytes, barrier_after):
+    """First-fit by its definition: every demand looked at, in order, up to a barrier."""
+    admitted = []
+    for i, (tokens, expert_bytes, skipped) in enumerate(line):
+        if tokens <= pool_tokens and expert_bytes <= pool_bytes:
+            admitted.append(i)
+            pool_tokens -= tokens
+            pool_bytes -= expert_bytes
+        elif skipped >= barrier_after:
+            break
+    return admitted, pool_tokens, pool_bytes
+
+
+LINES = st.lists(st.tuples(st.integers(0, 4), st.integers(0, 30), st.integers(0, 5)), max_size=30)
+
+
+@PROPS
+@given(LINES, st.integers(-2, 16), st.integers(-10, 100), st.integers(0, 4))
+def test_first_fit_stops_pulling_only_where_nothing_more_can_fit(line, pool_tokens, pool_bytes, barrier_after):
+    pulled = []
+
+    def pull():
+        for demand in line:
+            pulled.append(demand)
+            yield demand
+
+    fewest = min((t for t, _, _ in line), default=0)  # zero-token demands included: they always fit by tokens
+    got = first_fit_stream(pull(), pool_tokens, pool_bytes, barrier_after, fewest)
+    assert got == first_fit_reading_everything(line, pool_tokens, pool_bytes, barrier_after)
+    left_tokens, left_bytes = got[1], got[2]
+    if len(pulled) < len(line) and not (pulled and pulled[-1][2] >= barrier_after):  # stopped, not at a barrier
+        assert left_tokens < fewest or left_bytes < 0  # ... because nothing left could fit
+    if line and pool_tokens >= fewest and pool_bytes >= 0:
+        assert pulled  # it looks when something might fit
+
+
+def test_a_spent_pool_reads_no_charge_at_all():
+    def never():
+        raise AssertionError("a charge was counted for a tick that cannot admit")
+        yield (1, 1, 0)
+
+    assert first_fit_stream(never(), 3, 100, 4, fewest_tokens=4) == ([], 3, 100)
+    assert first_fit_stream(never(), 8, -1, 4, fewest_tokens=0) == ([], 8, -1)
+
+
+BYTE_MAP = {(layer, e): 10 + 5 * (e % 3) for layer in range(3) for e in range(40)}  # three sizes
+EXPERT = st.sampled_from(sorted(BYTE_MAP))
+
+
+@PROPS
+@given(st.frozensets(EXPERT), st.lists(st.frozensets(EXPERT), max_size=12), st.booleans())
+def test_counting_one_union_at_a_time_equals_the_set_differences(covered, unions, one_size):
+    byte_map = dict.fromkeys(BYTE_MAP, 7) if one_size else BYTE_MAP
+    masks = ExpertMasks(byte_map)
+    counter = MarginalCounter(masks, masks.mask(covered))
+    seen, expected = set(covered), []
+    for union in unions:
+        expected.append(sum(byte_map[e] for e in union - seen))
+        seen |= union
+    assert [counter(masks.mask(u)) for u in unions] == expected
+
+
+def test_a_tracked_row_catches_up_from_the_slot_table_journal(monkeypatch):
+    """Snapshots of a slot table whose experts come and go (some twice between two looks, and
+    across a renewed journal), mixed with plain sets: every mask is the mask of the set."""
+    monkeypatch.setattr(slot_table, "JOURNAL_LIMIT", 50)
+    rng = random.Random(3)
+    keys = sorted(BYTE_MAP)
+    masks = ExpertMasks(BYTE_MAP)
+    table, tracked = SlotTable(40), TrackedRow(masks)
+    for step in range(60):
+        for _ in range(rng.randrange(12)):
+            if table.entries and (rng.random() < 0.5 or table.occupied == table.num_slots):
+                table.remove(table.entries[rng.choice(sorted(table.entries))])
+            else:
+                key = rng.choice([k for k in keys if k not in table.entries])
+                table.add(Entry(key, table.take_free(), BYTE_MAP[key], 0.0))
+        snapshot = table.resident()
+        assert snapshot == frozenset(table.entries)
+        looked_at = frozenset(snapshot) if step % 7 == 3 else snapshot  # now and then a plain set
+        assert tracked.mask_of(looked_at) == masks.mask(snapshot)
+        assert (tracked.of(looked_at) == masks.row_of(snapshot)).all()
+    assert tracked.mask_of(frozenset()) == 0  # an empty plain set after a journaled one
+
+
+@PROPS
+@given(st.lists(st.booleans(), max_size=60))
+def test_a_snapshot_names_every_key_that_came_or_went_since_an_earlier_one(steps):
+    table = SlotTable(8)
+    keys = [(0, e) for e in range(12)]
+    rng = random.Random(len(steps))
+    earlier = table.resident()
+    for add in steps:
+        if add and table.occupied < table.num_slots:
+            key = rng.choice([k for k in keys if k not in table.entries])
+            table.add(Entry(key, table.take_free(), 1, 0.0))
+        elif table.entries:
+            table.remove(table.entries[rng.choice(sorted(table.entries))])
+    later = table.resident()
+    changes = later.changes_since(earlier.journal, earlier.position)
+    assert changes is not None and set(earlier ^ later) <= set(changes)
+    assert all(present == (key in later) for key, present in changes.items())
+    if later.position > earlier.position:
+        assert earlier.changes_since(later.journal, later.position) is None  # not backwards
+
+
+def test_a_grid_byte_map_numbers_its_experts_by_arithmetic_as_its_dict_does():
+    grid = {(layer, e): 1 for layer in range(2, 6) for e in range(16)}  # layers need not start at 0
+    masks = ExpertMasks(grid)
+    assert masks._grid == (16, 2)
+    experts = [(5, 15), (2, 0), (3, 7)]
+    assert list(masks.bits(experts)) == [list(grid).index(k) for k in experts]
+    for unknown in ((1, 0), (6, 0), (2, 16), (2, -1)):
+        with pytest.raises(KeyError):
+            masks.bits([(2, 0), unknown])
+    shuffled = dict(sorted(grid.items(), key=lambda kv: -kv[0][1]))
+    holed = {k: v for k, v in grid.items() if k != (3, 3)}
+    for not_a_grid in (shuffled, holed, {("a", 0): 1}, {(0, 0, 0): 1}):
+        m = ExpertMasks(not_a_grid)
+        assert m._grid is None
+        assert list(m.bits(list(not_a_grid)[:3])) == list(range(min(3, len(not_a_grid))))
