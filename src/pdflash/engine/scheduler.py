@@ -114,7 +114,6 @@ class VerifyScheduler:
         self._queue: dict[Hashable, _Entry] = {}  # waiting, in arrival order
         self._admitted: dict[Hashable, _Entry] = {}  # admitted, not (yet) seated
         self._in_flight: dict[Hashable, _Entry] = {}  # seated every tick until finish
-        self._seated: tuple[tuple[_Entry, ...], int, tuple] | None = None  # in flight: entries, tokens, ids
         self._carried = ZERO
         self._pool = (0, 0)  # the last tick's unclamped leftover: refunds and re-assignment
         self._ticks = 0
@@ -164,12 +163,10 @@ class VerifyScheduler:
         if seq_id not in self._admitted:
             raise KeyError(f"sequence {seq_id!r} has no admitted verify to mark in flight")
         self._in_flight[seq_id] = self._admitted.pop(seq_id)
-        self._seated = None
 
     def finish(self, seq_id: Hashable) -> None:
         """The verify of `seq_id` is done; it stops being seated."""
         entry = self._admitted.pop(seq_id, None) or self._in_flight.pop(seq_id, None)
-        self._seated = None
         if entry is None:
             raise KeyError(f"sequence {seq_id!r} has no admitted or in-flight verify to finish")
         self._table.free(entry.slot)
@@ -191,7 +188,6 @@ class VerifyScheduler:
                 )
         elif (entry := self._in_flight.pop(seq_id, None)) is None:
             return False
-        self._seated = None
         self._table.free(entry.slot)
         self._reassign()
         return True
@@ -222,16 +218,13 @@ class VerifyScheduler:
         start = self._clock()
         if budget is not None:  # derived budgets: this tick's quantum (the caps stay)
             self.budget = budget
-        if self._seated is None:  # kept between ticks while the running batch stays
-            seated = tuple(self._in_flight.values())
-            self._seated = (seated, sum(e.request.tokens for e in seated), tuple(e.request.seq_id for e in seated))
-        seated, seated_tokens, seated_ids = self._seated
+        seated = list(self._in_flight.values())
         covered = None  # the mask of resident ∪ in flight, when charges or the order need it
         if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
             covered = self._table.covered(resident, in_flight_union)
         charge = self._charger(covered)
         pool = (
-            self.budget.tokens + self._carried.tokens - seated_tokens,
+            self.budget.tokens + self._carried.tokens - sum(e.request.tokens for e in seated),
             self.budget.expert_bytes + self._carried.expert_bytes - sum(charge(e) for e in seated),  # seated first
         )
         admitted, charges, self._pool = self._first_fit(self._line(covered), charge, *pool)
@@ -239,8 +232,8 @@ class VerifyScheduler:
         self._carried = TokensBytes(*self._pool).clamped(self.cap)
         self._hand_out(admitted, charges)
         self._last_tick_s = self._clock() - start
-        admitted_ids = tuple(e.request.seq_id for e in admitted)
-        return VerifyAdmission(seated_ids=seated_ids, admitted_ids=admitted_ids, carried=self._carried)
+        ids = (tuple(e.request.seq_id for e in seated), tuple(e.request.seq_id for e in admitted))
+        return VerifyAdmission(seated_ids=ids[0], admitted_ids=ids[1], carried=self._carried)
 
     def pending_count(self) -> int:
         return len(self._queue)
@@ -310,8 +303,8 @@ class VerifyScheduler:
         count each union beyond `covered` and every union charged before it."""
         if self.token_only:
             return lambda entry: 0
-        if self.charge_mode is ChargeMode.MARGINAL and covered is not None:
-            counter, masks_of = MarginalCounter(self._table.masks, covered), self._table.masks_of
+        if self.charge_mode is ChargeMode.MARGINAL and covered is not None and self._masks is not None:
+            counter, masks_of = MarginalCounter(self._masks, covered), self._table.masks_of
             return lambda entry: counter(masks_of[entry.slot])
         if self.charge_mode is ChargeMode.FETCH:
             return lambda entry: entry.request.fetch_bytes
@@ -330,10 +323,8 @@ class VerifyScheduler:
                 yield entry.request.tokens, offered[-1][1], self._ticks - entry.queued_tick
 
         fewest = self._table.fewest_tokens()
-        picked, pool_tokens, pool_bytes = first_fit_stream(
-            columns(), pool_tokens, pool_bytes, self.barrier_after, fewest
-        )
-        return [offered[i][0] for i in picked], [offered[i][1] for i in picked], (pool_tokens, pool_bytes)
+        picked, *pool = first_fit_stream(columns(), pool_tokens, pool_bytes, self.barrier_after, fewest)
+        return [offered[i][0] for i in picked], [offered[i][1] for i in picked], (pool[0], pool[1])
 
     def _hand_out(self, admitted: list[_Entry], charges: Iterable[int]) -> None:
         """Move admitted demands out of the queue and wake their waiters, in order."""
