@@ -89,9 +89,9 @@ class ExpertMasks:
 
     def __init__(self, byte_map: Mapping[ExpertKey, int]) -> None:
         self.byte_map = byte_map
-        self._bit = {expert: i for i, expert in enumerate(byte_map)}
-        self._grid = _grid_of(list(byte_map))  # (experts per layer, first layer) when bits are arithmetic
-        self._single = {expert: 1 << i for expert, i in self._bit.items()}
+        self.bit = {expert: i for i, expert in enumerate(byte_map)}  # expert -> its bit
+        self.grid = _grid_of(list(byte_map))  # (experts per layer, first layer) when bits are arithmetic
+        self._single = {expert: 1 << i for expert, i in self.bit.items()}
         self.words = max(1, -(-len(byte_map) // 64))  # 64-bit words per row
         by_size: dict[int, list[ExpertKey]] = defaultdict(list)
         for expert, size in byte_map.items():
@@ -106,8 +106,8 @@ class ExpertMasks:
         """The mask of `experts`; KeyError for an expert the byte map lacks."""
         if len(experts) <= self.SMALL:  # 3 µs for 36 experts, against 4 µs through numpy
             return functools.reduce(operator.or_, map(self._single.__getitem__, experts), 0)
-        flags = np.zeros(len(self._bit), dtype=bool)
-        flags[np.fromiter(map(self._bit.__getitem__, experts), dtype=np.int64)] = True
+        flags = np.zeros(len(self.bit), dtype=bool)
+        flags[np.fromiter(map(self.bit.__getitem__, experts), dtype=np.int64)] = True
         return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
 
     def nbytes(self, mask: int) -> int:
@@ -132,12 +132,12 @@ class ExpertMasks:
         A byte map laid out as a grid (every expert of consecutive layers, layer by layer: the
         models' own) numbers its experts by arithmetic: with cold caches (a forward ran since
         the last tick) a dict lookup per expert costs about 3x as much."""
-        if self._grid is not None and experts:
-            per_layer, first = self._grid
+        if self.grid is not None and experts:
+            per_layer, first = self.grid
             bits = [(layer - first) * per_layer + e if 0 <= e < per_layer else -1 for layer, e in experts]
-            if min(bits) >= 0 and max(bits) < len(self._bit):
+            if min(bits) >= 0 and max(bits) < len(self.bit):
                 return bits
-        return np.fromiter(map(self._bit.__getitem__, experts), dtype=np.intp, count=len(experts))
+        return np.fromiter(map(self.bit.__getitem__, experts), dtype=np.intp, count=len(experts))
 
     def row_bytes(self, rows: Rows, scratch: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.int64]:
         """[n] Σ of the byte map over each row's experts (rows: [n, words]; `scratch`: a [>= n, words]
@@ -175,7 +175,7 @@ class Journaled(Protocol):
     journal: object  # the journal, compared by identity
     position: int  # changes in it up to this set
 
-    def changes_since(self, journal: object, position: int) -> Mapping[ExpertKey, bool] | None: ...
+    def changes_since(self, journal: object, position: int) -> Sequence[tuple[ExpertKey, bool]] | None: ...
 
 
 class TrackedRow:
@@ -188,8 +188,9 @@ class TrackedRow:
         self._masks = masks
         self._set: Set[ExpertKey] | None = frozenset()  # the last set, unless it came with a journal
         self._at: tuple[object, int] = (None, 0)  # (journal, position) of the last set, if it came with one
-        self._flags = np.zeros(64 * masks.words, dtype=bool)  # [64 * words] one per bit
-        self._bytes = np.packbits(self._flags, bitorder="little")  # [8 * words] the row's bytes
+        self._flags = bytearray(64 * masks.words)  # [64 * words] 1 for an expert in the set, one per bit
+        self._view = np.frombuffer(self._flags, dtype=np.uint8)  # the same bytes, for numpy's writes
+        self._bytes = np.packbits(self._view, bitorder="little")  # [8 * words] the row's bytes
         self._mask = 0
 
     def of(self, experts: Set[ExpertKey]) -> Rows:
@@ -206,20 +207,36 @@ class TrackedRow:
         if changes is not None:  # what the journal says changed: no set of every expert is read
             if not changes:
                 return self._mask
-            self._flags[self._masks.bits(changes)] = np.fromiter(changes.values(), dtype=bool, count=len(changes))
+            self._apply(changes)
         elif self._set is None or 2 * len(came := experts - self._set) + len(self._set) >= 2 * len(experts):
-            self._flags[:] = False  # rebuilt whole: cheaper than the differences (|came| + |went| >= |experts|)
-            self._flags[self._masks.bits(experts)] = True
+            self._view[:] = 0  # rebuilt whole: cheaper than the differences (|came| + |went| >= |experts|)
+            self._view[self._masks.bits(experts)] = 1
         else:
-            self._flags[self._masks.bits(self._set - experts)] = False
-            self._flags[self._masks.bits(came)] = True
-        self._bytes = np.packbits(self._flags, bitorder="little")
+            self._view[self._masks.bits(self._set - experts)] = 0
+            self._view[self._masks.bits(came)] = 1
+        self._bytes = np.packbits(self._view, bitorder="little")
         self._mask = int.from_bytes(self._bytes.tobytes(), "little")
         if journaled is not None:  # the set itself is not held: it goes when its taker drops it
             self._at, self._set = (journaled.journal, journaled.position), None
         else:
             self._at, self._set = (None, 0), experts if type(experts) is frozenset else frozenset(experts)
         return self._mask
+
+    def _apply(self, changes: Sequence[tuple[ExpertKey, bool]]) -> None:
+        """Set each expert's flag to whether it is in the set now, in order (the last change of an
+        expert wins): a plain loop, as a hundred changes cost less so than in numpy calls."""
+        flags, grid, experts = self._flags, self._masks.grid, len(self._masks.byte_map)
+        if grid is None:
+            bit = self._masks.bit
+            for key, present in changes:
+                flags[bit[key]] = present
+            return
+        per_layer, first = grid
+        for (layer, e), present in changes:
+            i = (layer - first) * per_layer + e
+            if not (0 <= e < per_layer and 0 <= i < experts):
+                raise KeyError((layer, e))
+            flags[i] = present
 
 
 def marginal_charges(

@@ -52,13 +52,13 @@ class ResidentKeys(frozenset[ExpertKey]):
         snapshot.journal, snapshot.position = journal, len(journal)
         return snapshot
 
-    def changes_since(self, journal: object, position: int) -> dict[ExpertKey, bool] | None:
-        """Each key that came or went after `position` of `journal` -> whether it is in this
-        snapshot; None if this snapshot was not taken from that journal at or after `position`
-        (the table started a new journal since)."""
+    def changes_since(self, journal: object, position: int) -> list[tuple[ExpertKey, bool]] | None:
+        """(key, in the table after) for each change after `position` of `journal`, in order (the
+        last change of a key says whether it is in this snapshot); None if this snapshot was not
+        taken from that journal at or after `position` (the table started a new one since)."""
         if journal is not self.journal or position > self.position:
             return None
-        return dict(self.journal[position : self.position])  # the last change of each key wins
+        return self.journal[position : self.position]
 
 
 JOURNAL_LIMIT = 1 << 14  # changes a journal holds before the table starts a new one
