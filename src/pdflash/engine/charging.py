@@ -97,7 +97,7 @@ class ExpertMasks:
         for expert, size in byte_map.items():
             by_size[size].append(expert)
         self._sizes = tuple((size, self.mask(experts)) for size, experts in by_size.items())
-        self._one_size = self._sizes[0][0] if len(self._sizes) == 1 else None  # bytes of every expert, if one size
+        self.one_size = self._sizes[0][0] if len(self._sizes) == 1 else None  # bytes of every expert, if one size
         self.everything = (1 << len(byte_map)) - 1  # the mask of every expert
         self._size_bytes = np.array([size for size, _ in self._sizes], dtype=np.int64)  # [classes] bytes
         self._size_rows = np.stack([self.row(members) for _, members in self._sizes])  # [classes, words]
@@ -112,8 +112,8 @@ class ExpertMasks:
 
     def nbytes(self, mask: int) -> int:
         """Σ of the byte map over the experts in `mask`."""
-        if self._one_size is not None:
-            return self._one_size * mask.bit_count()
+        if self.one_size is not None:
+            return self.one_size * mask.bit_count()
         return sum(size * (mask & members).bit_count() for size, members in self._sizes)
 
     def row(self, mask: int) -> Rows:
@@ -259,7 +259,7 @@ class MarginalCounter:
     caches) a few big-int operations per union cost less than any numpy pass over the line."""
 
     def __init__(self, masks: ExpertMasks, covered: int) -> None:
-        self._masks = masks
+        self._masks, self._size = masks, masks.one_size
         self._uncovered = masks.everything & ~covered  # experts neither covered nor counted yet
 
     def __call__(self, mask: int) -> int:
@@ -268,7 +268,7 @@ class MarginalCounter:
         if not new:
             return 0
         self._uncovered ^= new
-        return self._masks.nbytes(new)
+        return self._size * new.bit_count() if self._size is not None else self._masks.nbytes(new)
 
 
 def row_mask(row: Rows) -> int:

@@ -279,9 +279,9 @@ class VerifyScheduler:
         first-fit pulls them. The guarded ones come first, in arrival order; as queued ticks
         only grow along the arrival order, they are a prefix of it. The rest is ordered (their
         bytes counted beyond `covered`) only if first-fit gets that far."""
-        waiting = iter(self._queue.values())
+        waiting, last_guarded = iter(self._queue.values()), self._ticks - self.barrier_after
         for entry in waiting:
-            if self._ticks - entry.queued_tick < self.barrier_after:
+            if entry.queued_tick > last_guarded:
                 break
             yield entry
         else:
@@ -317,10 +317,10 @@ class VerifyScheduler:
         and the pool left over."""
         offered: list[tuple[_Entry, int]] = []
 
-        def columns() -> Iterator[tuple[int, int, int]]:
+        def columns(ticks: int = self._ticks) -> Iterator[tuple[int, int, int]]:
             for entry in line:
-                offered.append((entry, charge(entry)))
-                yield entry.request.tokens, offered[-1][1], self._ticks - entry.queued_tick
+                offered.append((entry, bytes_charged := charge(entry)))
+                yield entry.request.tokens, bytes_charged, ticks - entry.queued_tick
 
         fewest = self._table.fewest_tokens()
         picked, *pool = first_fit_stream(columns(), pool_tokens, pool_bytes, self.barrier_after, fewest)
