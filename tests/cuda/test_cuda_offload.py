@@ -49,6 +49,7 @@ def test_offloaded_on_cuda_equals_resident_through_pinned_memory(resident, expec
             prompt_logits(loaded.model, prompt), prompt_logits(resident.model, prompt), rtol=0, atol=1e-5
         )
         assert generate_autoregressive(loaded.model, prompt, GREEDY).token_ids == want
+    assert 1e8 < provider.link_bytes_per_s < 1e13, "a real link's rate is measured at start (bytes/s)"
     stats = provider.stats()
     assert stats["link"] == "device" and stats["misses"] > 0 and stats["evictions"] > 0
     assert stats["expert_bytes_fetched"] == stats["fetches"] * store.nbytes((0, 0))  # tiny experts: one size

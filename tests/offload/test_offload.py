@@ -23,6 +23,7 @@ from pdflash.offload import (
     Priority,
     make_policy,
 )
+from pdflash.offload.link import measure_bytes_per_s
 from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.speculator import Speculator
@@ -299,6 +300,34 @@ def test_emulated_link_time_is_exposed_and_labelled(store, config):
     provider.close()
     with provider_over(store, config, expert_cache_fraction=0.5) as plain:
         assert plain.stats()["link"] == "none"
+        assert plain.link_bytes_per_s is None  # host memory is the device tier: copies cost no link time
+    assert provider.link_bytes_per_s == 1e9  # emulated: its bandwidth, never a measurement
+
+
+def test_a_real_link_is_measured_by_timed_copies_after_a_warm_up(caplog):
+    """The rate a real link is priced at: the bytes of the copies after the first over the time
+    between synchronizes (here copies that take a known time)."""
+    moved = []
+
+    def copy(nbytes, seconds):
+        def run():
+            time.sleep(seconds)
+            moved.append(nbytes)
+
+        return run
+
+    copies = [copy(10**9, 0.2), copy(10**6, 0.02), copy(3 * 10**6, 0.02)]  # a slow warm-up, then 4 MB in 40 ms
+    rate = measure_bytes_per_s(copies, [10**9, 10**6, 3 * 10**6], synchronize=lambda: None)
+    assert moved == [10**9, 10**6, 3 * 10**6]
+    assert 4e6 / 0.06 < rate <= 4e6 / 0.04  # the warm-up is not counted; sleeps only overshoot
+    assert measure_bytes_per_s(copies[:1], [1], synchronize=lambda: None) is None  # nothing after the warm-up
+
+    def broken():
+        raise RuntimeError("copy engine gone")
+
+    with caplog.at_level("WARNING"):
+        assert measure_bytes_per_s([copies[1], broken], [1, 1], synchronize=lambda: None) is None
+    assert "measuring the host-to-device link failed" in caplog.text
 
 
 # -- failures ------------------------------------------------------------------------------------

@@ -97,9 +97,10 @@ def test_position_bytes_share_each_expert_among_the_batch_that_routed_it(loaded,
     assert result.trace.position_fetch_bytes[0] > 0
 
 
-def test_later_positions_pay_only_for_what_they_add_beyond_the_batch_base(loaded, drafter):
-    """Base = every session's first token (what plain decoding fetches anyway); later positions
-    pay for the rest, shared among the sessions whose later positions routed it."""
+def test_a_position_pays_for_what_the_batch_adds_by_reaching_it(loaded, drafter):
+    """Base = every session's first token (what plain decoding fetches anyway); position k pays
+    for what no earlier position of any session brought, shared among the sessions whose
+    position k routed it."""
     spec = speculator(loaded, drafter, block_size=4)
     (a, b, c, d, r), nbytes = [(0, e) for e in range(5)], spec.expert_nbytes[(0, 0)]
     assert all(spec.expert_nbytes[k] == nbytes for k in (a, b, c, d, r))
@@ -116,6 +117,13 @@ def test_later_positions_pay_only_for_what_they_add_beyond_the_batch_base(loaded
     # it would add its first token's misses
     assert further_token_bytes(residents, routes, spec.expert_nbytes) == [0, 0]
     assert further_token_bytes(residents[:1], routes[:1], spec.expert_nbytes) == [nbytes]
+    # r reached at position 1 by one session and at position 3 by the other: the batch fetched it
+    # because blocks reached position 1, so position 3 adds nothing (a later block is cheap when
+    # the batch's earlier positions already bring its experts)
+    routes = [[frozenset({a}), frozenset({r})], [frozenset({b}), frozenset({c}), frozenset({d}), frozenset({r})]]
+    first, second = position_fetch_bytes([frozenset(), frozenset()], routes, spec.expert_nbytes)
+    assert first == (nbytes, nbytes)
+    assert second == (nbytes, nbytes, nbytes, 0)
 
 
 def test_trained_like_drafter_accepts_more_than_one(loaded, drafter):

@@ -35,7 +35,7 @@ class OffloadProvider(Protocol):
     budget_bytes: int  # the device cache's byte budget
 
     @property
-    def link_bytes_per_s(self) -> float | None: ...  # the link's rate when known (emulated), else None
+    def link_bytes_per_s(self) -> float | None: ...  # emulated, or a real link's measured at start; None: no link
 
     def prefetch(self, union: frozenset[ExpertKey]) -> Any: ...  # queue route-ahead fetches, claim them; never blocks
     def release(self, claim: Any) -> None: ...  # the claims of one prefetch, once its verify ran

@@ -30,12 +30,14 @@ from pdflash.offload.cache_stats import Counters, OffloadStats
 from pdflash.offload.eviction import make_policy
 from pdflash.offload.gpt_oss_store import GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpertStore
-from pdflash.offload.link import Link
+from pdflash.offload.link import Link, measure_bytes_per_s
 from pdflash.offload.prefetch import PrefetchLane, Priority
 from pdflash.offload.slot_table import Entry, EntryState, ResidentKeys, SlotTable
 from pdflash.target.config import ModelConfig
 from pdflash.target.experts import ExpertKey
 from pdflash.target.gpt_oss_config import GptOssConfig
+
+LINK_SAMPLE_EXPERTS = 8  # experts copied once at start to measure a real link (after one warm-up copy)
 
 
 class ExpertFetchError(RuntimeError):
@@ -89,6 +91,8 @@ class OffloadedExperts:
         self._counters = Counters()
         self._closed = False
         self.lane = PrefetchLane(self.device)
+        if self.link.label == "device":
+            self.link.measured_bytes_per_s = self._measure_link()
 
     # -- the ExpertProvider protocol ---------------------------------------------------------
     def waves(self, layer: int, union: list[int]) -> Iterator[Any]:
@@ -156,8 +160,20 @@ class OffloadedExperts:
     # -- stats ---------------------------------------------------------------------------------
     @property
     def link_bytes_per_s(self) -> float | None:
-        """The emulated link's rate; None for a real one (copies take what they take)."""
-        return self.link.gbps * 1e9 if self.link.gbps is not None else None
+        """The link's rate (emulated, or a real one's as measured at start); None without one."""
+        return self.link.bytes_per_s
+
+    def _measure_link(self, experts: int = LINK_SAMPLE_EXPERTS) -> float | None:
+        """A real (CUDA) link's rate in byte-map bytes per second: the first experts of the store
+        copied into free slots on the lane's stream, as fetches copy them (the slots stay free)."""
+        keys = list(self.store.keys[: min(experts, self.num_slots) + 1])
+        hosts = [self.store.expert(k) for k in keys]  # checked and mapped outside the timing
+        with torch.cuda.stream(self.lane.stream):
+            return measure_bytes_per_s(
+                [functools.partial(self.arena.copy_in, i % self.num_slots, host) for i, host in enumerate(hosts)],
+                [self.store.nbytes(k) for k in keys],
+                functools.partial(torch.cuda.synchronize, self.device),
+            )
 
     def watch_busy(self, clock: BusyClock) -> None:
         """Count the time the prefetch lane runs jobs (fetches) into `clock` too."""

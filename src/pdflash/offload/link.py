@@ -1,15 +1,19 @@
 """The host-to-device link as the prefetch lane sees it: real, absent, or emulated.
 
-Owns the link label every offload figure carries and the emulated transfer time. The
-emulated link is one serial pipe: a fetch requested at time r starts when the pipe is free
+Owns the link label every offload figure carries, the emulated transfer time and a real
+link's rate, measured once when the cache is built (the speculation policy and the pacer
+weigh bytes by it; `measure_bytes_per_s`). The emulated link is one serial pipe: a fetch requested at time r starts when the pipe is free
 (or at r, if later) and takes bytes / bandwidth + latency; the lane thread sleeps until that
 virtual completion. Pacing by completion times, not by summing sleeps, keeps each sleep's
-overshoot from accumulating over a burst of queued fetches. Knows nothing of caches or tensors.
+overshoot from accumulating over a burst of queued fetches. Knows nothing of caches or tensors:
+the cache hands the measurement its copies.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -23,6 +27,13 @@ class Link:
     gbps: float | None = None  # emulated bandwidth in GB/s (1e9 bytes per second)
     latency_s: float = 0.0  # emulated fixed cost per fetch, seconds
     free_at: float = 0.0  # perf_counter time the emulated pipe finishes its last fetch
+    measured_bytes_per_s: float | None = None  # a real link's rate, measured at start (None: unknown)
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        """The rate copies are priced at: the emulated bandwidth, a real link's measured one, or
+        None (no link: the device tier is host memory, or a real link not measured)."""
+        return self.gbps * 1e9 if self.gbps is not None else self.measured_bytes_per_s
 
     @classmethod
     def for_device(cls, device: torch.device, *, gbps: float | None, latency_s: float) -> Link:
@@ -50,3 +61,25 @@ class Link:
         wait = self.free_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
+
+
+def measure_bytes_per_s(
+    copies: Sequence[Callable[[], object]], nbytes: Sequence[int], synchronize: Callable[[], object]
+) -> float | None:
+    """Bytes per second of `copies` (copy i moves nbytes[i]), timed from one `synchronize` to the
+    next after all of them are queued; the first copy is a warm-up and not counted. None when
+    there is nothing to time or a copy raises (logged): prices then stay unknown, as before."""
+    if len(copies) < 2 or len(copies) != len(nbytes):
+        return None
+    try:
+        copies[0]()
+        synchronize()
+        started = time.perf_counter()
+        for copy in copies[1:]:
+            copy()
+        synchronize()
+        elapsed = time.perf_counter() - started
+    except Exception as exc:  # a failed measurement only leaves the rate unknown
+        logging.getLogger(__name__).warning("measuring the host-to-device link failed: %r", exc)
+        return None
+    return sum(nbytes[1:]) / elapsed if elapsed > 0 else None

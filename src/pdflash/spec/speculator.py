@@ -354,29 +354,24 @@ def position_fetch_bytes(
 
     `residents[i]`: what was resident when session i's block was drafted; `routes[i][k]`: its
     token k's routed (layer, expert) pairs. Only experts not resident when the block was drafted
-    count, and each once per session. The batch's first positions form its base: the union a
-    round of plain decoding would fetch anyway, charged 1/n to each of the n sessions whose first
-    token routed it. A later position pays only for what it adds beyond that base, shared among
-    the later positions (of any session) that routed it: speculating further is priced by the
-    bytes it adds to this round, not by the round's average. The charges of one batch add up to
-    what the batch fetched."""
-    firsts = _firsts(residents, routes)
-    base_users = Counter(e for first in firsts for e in first)
-    extensions = [
-        frozenset().union(*own[1:]) - resident - base_users.keys()
-        for resident, own in zip(residents, routes, strict=True)
-    ]
-    extension_users = Counter(e for extension in extensions for e in extension)
-    out = []
-    for resident, own, first in zip(residents, routes, firsts, strict=True):
-        positions = [round(sum(expert_nbytes[e] / base_users[e] for e in first))] if own else []
-        seen = set(own[0]) if own else set()
-        for route in own[1:]:
-            new = route - seen - resident - base_users.keys()
-            positions.append(round(sum(expert_nbytes[e] / extension_users[e] for e in new)))
-            seen |= route
-        out.append(tuple(positions))
-    return out
+    count. The batch's union is grown position by position, as if every session verified one
+    token more each step: the first positions form its base (the union a round of plain decoding
+    would fetch anyway); then position k of every session that has one adds what no earlier
+    position of any session brought. Each expert a step adds is shared among the sessions whose
+    position k routed it. So a position is priced by what the batch fetches because the blocks
+    reach it, which is what the policy weighs when it asks how far to go: in a large batch a
+    late position mostly routes experts that earlier positions already brought. The charges of
+    one batch add up to what the batch fetched."""
+    fresh = [[route - resident for route in own] for resident, own in zip(residents, routes, strict=True)]
+    out: list[list[int]] = [[] for _ in fresh]
+    covered: set[ExpertKey] = set()
+    for k in range(max(map(len, fresh), default=0)):
+        users = Counter(e for own in fresh if len(own) > k for e in own[k] if e not in covered)
+        for own, positions in zip(fresh, out, strict=True):
+            if len(own) > k:
+                positions.append(round(sum(expert_nbytes[e] / users[e] for e in own[k] if e in users)))
+        covered |= users.keys()
+    return [tuple(positions) for positions in out]
 
 
 def further_token_bytes(
