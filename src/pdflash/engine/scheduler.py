@@ -1,11 +1,10 @@
 """The ticket scheduler: arrival order, the carried deficit and admission tickets around the pure admission.
 
-Owns which pending verifies a tick offers the pure admission (`first_fit`), in what order,
-with what byte charges (pdflash.engine.charging over the byte map it was built with,
-computed on the rows of pdflash.engine.demand_table), the carry between ticks, and the
-tickets sequences await. Must not touch sequence state machines,
-model work or the expert cache: the engine hands each tick the resident and in-flight
-expert sets; this module only reads them.
+Owns which pending verifies a tick offers the pure admission (`first_fit_stream`), in what
+order, with what byte charges (pdflash.engine.charging over the byte map it was built with,
+on the masks of pdflash.engine.demand_table), the carry between ticks, and the tickets
+sequences await. Must not touch sequence state machines, model work or the expert cache: the
+engine hands each tick the resident and in-flight expert sets; this module only reads them.
 
 Engine protocol, per sequence:  register -> await ticket.wait() -> (the engine calls
 tick(), which admits) -> mark_in_flight (optional) -> finish.  An aborted sequence calls
@@ -50,7 +49,12 @@ class _Entry:
     queued_tick: int  # ticks run when it was first queued: the ticks since then skipped it
     slot: int  # its columns in the scheduler's DemandTable
     admitted_tick: int = -1  # tick number that admitted it
-    charge: TokensBytes = ZERO  # (tokens, bytes) charged when admitted
+    charged_bytes: int = 0  # bytes charged when admitted
+
+    @property
+    def charge(self) -> TokensBytes:
+        """(tokens, bytes) charged when admitted (built when asked: a tick hands out many)."""
+        return TokensBytes(self.request.tokens, self.charged_bytes)
 
 
 @attrs.frozen
@@ -182,10 +186,7 @@ class VerifyScheduler:
             entry.ticket._cancel()
         elif (entry := self._admitted.pop(seq_id, None)) is not None:
             if entry.admitted_tick == self._ticks:
-                self._pool = (
-                    self._pool[0] + entry.charge.tokens,
-                    self._pool[1] + entry.charge.expert_bytes,
-                )
+                self._pool = (self._pool[0] + entry.request.tokens, self._pool[1] + entry.charged_bytes)
         elif (entry := self._in_flight.pop(seq_id, None)) is None:
             return False
         self._table.free(entry.slot)
@@ -313,8 +314,7 @@ class VerifyScheduler:
     def _first_fit(
         self, line: Iterable[_Entry], charge: Callable[[_Entry], int], pool_tokens: int, pool_bytes: int
     ) -> tuple[list[_Entry], list[int], tuple[int, int]]:
-        """`first_fit_stream` over `line` charged by `charge`: the admitted demands, their charges
-        and the pool left over."""
+        """`first_fit_stream` over `line` (charged by `charge`): admitted, their charges, the pool left."""
         offered: list[tuple[_Entry, int]] = []
 
         def columns(ticks: int = self._ticks) -> Iterator[tuple[int, int, int]]:
@@ -335,7 +335,7 @@ class VerifyScheduler:
         for entry, charge in zip(admitted, charges, strict=True):
             seq_id = entry.request.seq_id
             del self._queue[seq_id]
-            entry.admitted_tick, entry.charge = self._ticks, TokensBytes(entry.request.tokens, charge)
+            entry.admitted_tick, entry.charged_bytes = self._ticks, charge
             self._admitted[seq_id] = entry
             self._waits.append(now - entry.registered_at)
             entry.ticket._admit()
