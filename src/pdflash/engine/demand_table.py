@@ -65,17 +65,19 @@ class DemandTable:
         """The fewest tokens any registered demand holds (a lower bound on every waiting one's)."""
         return min(self._token_counts, default=0)
 
-    def covered(self, resident: Set[ExpertKey], in_flight: Set[ExpertKey]) -> int:
-        """The mask of resident ∪ in flight (a registered union's mask is looked up, not built)."""
+    def covered(self, resident: Set[ExpertKey], in_flight: Set[ExpertKey]) -> tuple[int, frozenset[int]]:
+        """The mask of resident ∪ in flight (a registered union's mask is looked up, not built),
+        and the slots whose unions are parts of the in-flight set (so covered: charged nothing)."""
         assert self.masks is not None and self._resident is not None
-        covered = self._resident.mask_of(resident)
+        covered, inside = self._resident.mask_of(resident), []
         for part in in_flight.parts if isinstance(in_flight, UnionOf) else (in_flight,):
             known = self._unions.get(id(part))
             if known is not None and known[0] is part:
                 covered |= self.masks_of[known[1]]
+                inside.append(known[1])
             elif part:
                 covered |= self.masks.mask(part)
-        return covered
+        return covered, frozenset(inside)
 
     def alone_bytes(self, slots: Slots, covered: int) -> npt.NDArray[np.int64]:
         """[n] bytes the union of each of `slots` adds to the mask `covered`, each as if alone."""

@@ -220,10 +220,10 @@ class VerifyScheduler:
         if budget is not None:  # derived budgets: this tick's quantum (the caps stay)
             self.budget = budget
         seated = list(self._in_flight.values())
-        covered = None  # the mask of resident ∪ in flight, when charges or the order need it
+        covered, inside = None, frozenset[int]()  # mask of resident ∪ in flight, when charges or order need it
         if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
-            covered = self._table.covered(resident, in_flight_union)
-        charge = self._charger(covered)
+            covered, inside = self._table.covered(resident, in_flight_union)
+        charge = self._charger(covered, inside)
         pool = (
             self.budget.tokens + self._carried.tokens - sum(e.request.tokens for e in seated),
             self.budget.expert_bytes + self._carried.expert_bytes - sum(charge(e) for e in seated),  # seated first
@@ -292,21 +292,21 @@ class VerifyScheduler:
             yield from waiting
             return
         rest = [entry, *waiting]
-        t, slots = self._table, slots_of([e.slot for e in rest])
-        skipped = [self._ticks - e.queued_tick for e in rest]
+        t, slots, skipped = self._table, slots_of([e.slot for e in rest]), [self._ticks - e.queued_tick for e in rest]
         order = offer_order_columns(
             t.expected[slots], t.alone_bytes(slots, covered), skipped, self.order, self.barrier_after
         )
         yield from map(rest.__getitem__, order.tolist())
 
-    def _charger(self, covered: int | None) -> Callable[[_Entry], int]:
+    def _charger(self, covered: int | None, inside: Set[int] = frozenset()) -> Callable[[_Entry], int]:
         """Bytes to charge each demand it is called on, in the order called: marginal charges
-        count each union beyond `covered` and every union charged before it."""
+        count each union beyond `covered` and every union charged before it (none for the
+        slots `inside` it: the running batch, whose unions are the parts of the in-flight set)."""
         if self.token_only:
             return lambda entry: 0
         if self.charge_mode is ChargeMode.MARGINAL and covered is not None and self._masks is not None:
             counter, masks_of = MarginalCounter(self._masks, covered), self._table.masks_of
-            return lambda entry: counter(masks_of[entry.slot])
+            return lambda entry: 0 if entry.slot in inside else counter(masks_of[entry.slot])
         if self.charge_mode is ChargeMode.FETCH:
             return lambda entry: entry.request.fetch_bytes
         return lambda entry: entry.request.full_bytes  # full; marginal's upper bound between ticks
