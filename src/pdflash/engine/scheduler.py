@@ -225,15 +225,15 @@ class VerifyScheduler:
             covered, inside = self._table.covered(resident, in_flight_union)
         charge = self._charger(covered, inside)
         pool = (
-            self.budget.tokens + self._carried.tokens - sum(e.request.tokens for e in seated),
-            self.budget.expert_bytes + self._carried.expert_bytes - sum(charge(e) for e in seated),  # seated first
+            self.budget.tokens + self._carried.tokens - sum([e.request.tokens for e in seated]),
+            self.budget.expert_bytes + self._carried.expert_bytes - sum([charge(e) for e in seated]),  # seated first
         )
         admitted, charges, self._pool = self._first_fit(self._line(covered), charge, *pool)
         self._ticks += 1  # every demand still queued after this was skipped by it
         self._carried = TokensBytes(*self._pool).clamped(self.cap)
         self._hand_out(admitted, charges)
         self._last_tick_s = self._clock() - start
-        ids = (tuple(e.request.seq_id for e in seated), tuple(e.request.seq_id for e in admitted))
+        ids = (tuple([e.request.seq_id for e in seated]), tuple([e.request.seq_id for e in admitted]))
         return VerifyAdmission(seated_ids=ids[0], admitted_ids=ids[1], carried=self._carried)
 
     def pending_count(self) -> int:
