@@ -62,7 +62,7 @@ def routed_union(rng: random.Random) -> frozenset:
 def drifting_cache(resident: frozenset, byte_map: dict, rng: random.Random) -> tuple[SlotTable, Callable[[], None]]:
     """The device cache's slot table holding `resident`, and a step that evicts 64 of its experts
     for 64 others, as a verify's fetches would."""
-    table = SlotTable(len(resident))
+    table = SlotTable(len(resident), EXPERTS)
     for key in sorted(resident):
         table.add(Entry(key, table.take_free(), EXPERT_BYTES, 0.0))
     keys = sorted(byte_map)
@@ -90,7 +90,7 @@ def scheduler_tick_us(
     """Median µs of a first tick (fresh scheduler: the resident row built whole) and median and
     fastest µs of the ticks after it (64 of the cached experts evicted for others between ticks,
     admitted demands re-registered, both outside the timing), as the engine's pacer runs them. The
-    resident set is the slot table's snapshot, whose journal says what changed (`journaled`, what
+    resident set is the slot table's snapshot, with the bitmask the table keeps (`journaled`, what
     the device cache hands the pacer), or the same keys as a plain frozenset, compared whole.
     Demands waiting `barrier_after` ticks are guarded: they lead the line, in arrival order."""
     byte_map = {(layer, e): EXPERT_BYTES for layer in range(LAYERS) for e in range(EXPERTS)}
@@ -178,10 +178,10 @@ def main() -> None:
         f"budget {16 * BLOCK} tokens / 200 experts:"
     )
     for order in ("arrival", "yield"):
-        for journaled, how in ((True, "journaled (device cache)"), (False, "plain frozenset")):
+        for journaled, how in ((True, "as the device cache hands it"), (False, "plain frozenset")):
             first, nxt, fastest = scheduler_tick_us(order, pending, seated, resident, args, rng, journaled=journaled)
             print(
-                f"  order {order:8s}, resident {how:24s}: first tick {first:8.1f} us median, "
+                f"  order {order:8s}, resident {how:28s}: first tick {first:8.1f} us median, "
                 f"next ticks {nxt:8.1f} us median ({fastest:.1f} us fastest)"
             )
     # With 256 waiting and about 8 admitted a tick, most have waited past the guard: they lead the
@@ -191,7 +191,7 @@ def main() -> None:
         "yield", pending, seated, resident, args, rng, journaled=True, barrier_after=10**9
     )
     print(
-        f"  order yield   , no demand guarded (the sort runs)  : first tick {first:8.1f} us median, "
+        f"  order yield   , no demand guarded (the sort runs)      : first tick {first:8.1f} us median, "
         f"next ticks {nxt:8.1f} us median ({fastest:.1f} us fastest)"
     )
 

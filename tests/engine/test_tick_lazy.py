@@ -1,7 +1,7 @@
 """What a tick computes only as far as it reads: first-fit pulled one demand at a time and
 stopped once nothing more can fit, marginal charges counted one union at a time over int
-masks, the resident row caught up from the device cache's change journal, and expert bits by
-arithmetic on a grid byte map; each against its plain definition."""
+masks, the resident row read as the slot table's own bitmask, and expert bits by arithmetic
+on a grid byte map; each against its plain definition."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from pdflash.engine.admission import first_fit_stream
 from pdflash.engine.charging import ExpertMasks, MarginalCounter, TrackedRow
-from pdflash.offload import slot_table
 from pdflash.offload.slot_table import Entry, SlotTable
 
 PROPS = settings(max_examples=200, deadline=None)
@@ -81,50 +80,50 @@ def test_counting_one_union_at_a_time_equals_the_set_differences(covered, unions
     assert [counter(masks.mask(u)) for u in unions] == expected
 
 
-def test_a_tracked_row_catches_up_from_the_slot_table_journal(monkeypatch):
-    """Snapshots of a slot table whose experts come and go (some twice between two looks, and
-    across a renewed journal), mixed with plain sets: every mask is the mask of the set."""
-    monkeypatch.setattr(slot_table, "JOURNAL_LIMIT", 50)
+@pytest.mark.parametrize("first_layer", [0, 2])
+def test_a_tracked_row_reads_the_slot_table_mask_as_the_set(first_layer):
+    """Snapshots of a slot table whose experts come and go (including layers the byte map
+    lacks, which no union can name), mixed with plain sets: every mask is the mask of the
+    snapshot's experts in the byte map."""
+    byte_map = {(layer, e): 10 + 5 * (e % 3) for layer in range(first_layer, first_layer + 3) for e in range(40)}
     rng = random.Random(3)
-    keys = sorted(BYTE_MAP)
-    masks = ExpertMasks(BYTE_MAP)
-    table, tracked = SlotTable(40), TrackedRow(masks)
-    for step in range(60):
+    keys = [(layer, e) for layer in range(first_layer + 4) for e in range(40)]  # one more layer each side
+    masks = ExpertMasks(byte_map)
+    assert masks.grid == (40, first_layer)
+    table, tracked = SlotTable(60, 40), TrackedRow(masks)
+    for step in range(40):
         for _ in range(rng.randrange(12)):
             if table.entries and (rng.random() < 0.5 or table.occupied == table.num_slots):
                 table.remove(table.entries[rng.choice(sorted(table.entries))])
             else:
                 key = rng.choice([k for k in keys if k not in table.entries])
-                table.add(Entry(key, table.take_free(), BYTE_MAP[key], 0.0))
+                table.add(Entry(key, table.take_free(), 1, 0.0))
         snapshot = table.resident()
         assert snapshot == frozenset(table.entries)
-        looked_at = frozenset(snapshot) if step % 7 == 3 else snapshot  # now and then a plain set
-        assert tracked.mask_of(looked_at) == masks.mask(snapshot)
-        assert (tracked.of(looked_at) == masks.row_of(snapshot)).all()
-    assert tracked.mask_of(frozenset()) == 0  # an empty plain set after a journaled one
+        in_map = frozenset(k for k in snapshot if k in byte_map)
+        if step % 7 == 3:  # now and then a plain set, compared with the last one
+            assert tracked.mask_of(in_map) == masks.mask(in_map)
+        assert tracked.mask_of(snapshot) == masks.mask(in_map)
+        assert (tracked.of(snapshot) == masks.row_of(in_map)).all()
+    assert tracked.mask_of(frozenset()) == 0  # an empty plain set after a snapshot
 
 
-@PROPS
-@given(st.lists(st.booleans(), max_size=60))
-def test_a_snapshot_names_every_key_that_came_or_went_since_an_earlier_one(steps):
-    table = SlotTable(8)
-    keys = [(0, e) for e in range(12)]
-    rng = random.Random(len(steps))
-    earlier = table.resident()
-    for add in steps:
-        if add and table.occupied < table.num_slots:
-            key = rng.choice([k for k in keys if k not in table.entries])
-            table.add(Entry(key, table.take_free(), 1, 0.0))
-        elif table.entries:
-            table.remove(table.entries[rng.choice(sorted(table.entries))])
-    later = table.resident()
-    changes = later.changes_since(earlier.journal, earlier.position)
-    assert changes is not None
-    changes = dict(changes)  # the last change of each key
-    assert set(earlier ^ later) <= set(changes)
-    assert all(present == (key in later) for key, present in changes.items())
-    if later.position > earlier.position:
-        assert earlier.changes_since(later.journal, later.position) is None  # not backwards
+def test_a_table_numbered_otherwise_is_read_key_by_key():
+    byte_map = {(0, e): 1 for e in range(8)}
+    table, tracked = SlotTable(4, 16), TrackedRow(ExpertMasks(byte_map))  # 16 experts a layer: not the map's 8
+    table.add(Entry((0, 3), table.take_free(), 1, 0.0))
+    assert tracked.mask_of(table.resident()) == 1 << 3
+    table.add(Entry((0, 12), table.take_free(), 1, 0.0))
+    with pytest.raises(KeyError):  # an expert the byte map lacks, found key by key
+        tracked.mask_of(table.resident())
+
+
+def test_a_slot_table_refuses_a_key_off_its_grid():
+    table = SlotTable(4, 8)
+    for key in ((0, 8), (0, -1), (-1, 0)):
+        with pytest.raises(ValueError, match="is not a"):
+            table.add(Entry(key, 0, 1, 0.0))
+    assert table.entries == {} and table.resident().mask == 0
 
 
 def test_a_grid_byte_map_numbers_its_experts_by_arithmetic_as_its_dict_does():
@@ -142,12 +141,3 @@ def test_a_grid_byte_map_numbers_its_experts_by_arithmetic_as_its_dict_does():
         m = ExpertMasks(not_a_grid)
         assert m.grid is None
         assert list(m.bits(list(not_a_grid)[:3])) == list(range(min(3, len(not_a_grid))))
-
-
-def test_a_journaled_expert_the_byte_map_lacks_is_a_key_error():
-    for byte_map in ({(0, e): 1 for e in range(8)}, {(0, e): 1 for e in range(8, 0, -1)}):  # a grid, and not
-        table, tracked = SlotTable(4), TrackedRow(ExpertMasks(byte_map))
-        assert tracked.mask_of(table.resident()) == 0
-        table.add(Entry((1, 0), table.take_free(), 1, 0.0))
-        with pytest.raises(KeyError):
-            tracked.mask_of(table.resident())

@@ -168,75 +168,49 @@ def packed(flags: npt.NDArray[np.bool_]) -> Rows:
     return np.packbits(flags, bitorder="little").view("<u8").astype(np.uint64)
 
 
-class Journaled(Protocol):
-    """A set that knows where its change journal stood when it was taken (the device cache's
-    `slot_table.ResidentKeys` snapshots)."""
+class GridMasked(Protocol):
+    """A set that also comes as a bitmask over bit layer * experts_per_layer + expert (the device
+    cache's `slot_table.ResidentKeys` snapshots, whose table keeps it as experts come and go)."""
 
-    journal: object  # the journal, compared by identity
-    position: int  # changes in it up to this set
-
-    def changes_since(self, journal: object, position: int) -> Sequence[tuple[ExpertKey, bool]] | None: ...
+    mask: int  # the set's experts, bit layer * experts_per_layer + expert
+    experts_per_layer: int
 
 
 class TrackedRow:
-    """The row (and int mask) of a set that drifts between calls (the resident experts), kept by its
-    differences: a tick pays for the experts that came and went since the last one, not for the
-    whole set. A `Journaled` set says what changed itself; any other set is compared with the
-    last one (two set differences over every resident expert, about 40 µs for 1,536 of them)."""
+    """The int mask (and row) of a set that drifts between calls (the resident experts). A
+    `GridMasked` set numbered as a grid byte map numbers its experts is read as one int, shifted;
+    any other set is kept by its differences from the last one (two set differences over every
+    resident expert, about 40 µs for 1,536 of them with cold caches, and a pack)."""
 
     def __init__(self, masks: ExpertMasks) -> None:
         self._masks = masks
-        self._set: Set[ExpertKey] | None = frozenset()  # the last set, unless it came with a journal
-        self._at: tuple[object, int] = (None, 0)  # (journal, position) of the last set, if it came with one
-        self._flags = bytearray(64 * masks.words)  # [64 * words] 1 for an expert in the set, one per bit
-        self._view = np.frombuffer(self._flags, dtype=np.uint8)  # the same bytes, for numpy's writes
-        self._bytes = np.packbits(self._view, bitorder="little")  # [8 * words] the row's bytes
+        self._set: Set[ExpertKey] | None = frozenset()  # the last set, unless it came as a mask
+        self._flags = np.zeros(64 * masks.words, dtype=bool)  # [64 * words] one per bit, for the differences
         self._mask = 0
 
     def of(self, experts: Set[ExpertKey]) -> Rows:
         """[words] the row of `experts`."""
-        self.mask_of(experts)
-        return self._bytes.view("<u8").astype(np.uint64)
+        return self._masks.row(self.mask_of(experts))
 
     def mask_of(self, experts: Set[ExpertKey]) -> int:
         """The int mask of `experts` (`ExpertMasks.mask`)."""
         if experts is self._set:
             return self._mask
-        journaled = cast(Journaled, experts) if hasattr(experts, "changes_since") else None
-        changes = journaled.changes_since(*self._at) if journaled is not None else None
-        if changes is not None:  # what the journal says changed: no set of every expert is read
-            if not changes:
-                return self._mask
-            self._apply(changes)
-        elif self._set is None or 2 * len(came := experts - self._set) + len(self._set) >= 2 * len(experts):
-            self._view[:] = 0  # rebuilt whole: cheaper than the differences (|came| + |went| >= |experts|)
-            self._view[self._masks.bits(experts)] = 1
+        grid = self._masks.grid
+        if grid is not None and getattr(experts, "experts_per_layer", None) == grid[0]:
+            # layers outside the byte map's hold no expert a union can name: shifted or cut off
+            self._mask = (cast(GridMasked, experts).mask >> (grid[1] * grid[0])) & self._masks.everything
+            self._set = None  # the flags are stale now: the next plain set rebuilds them whole
+            return self._mask
+        if self._set is None or 2 * len(came := experts - self._set) + len(self._set) >= 2 * len(experts):
+            self._flags[:] = False  # rebuilt whole: cheaper than the differences (|came| + |went| >= |experts|)
+            self._flags[self._masks.bits(experts)] = True
         else:
-            self._view[self._masks.bits(self._set - experts)] = 0
-            self._view[self._masks.bits(came)] = 1
-        self._bytes = np.packbits(self._view, bitorder="little")
-        self._mask = int.from_bytes(self._bytes.tobytes(), "little")
-        if journaled is not None:  # the set itself is not held: it goes when its taker drops it
-            self._at, self._set = (journaled.journal, journaled.position), None
-        else:
-            self._at, self._set = (None, 0), experts if type(experts) is frozenset else frozenset(experts)
+            self._flags[self._masks.bits(self._set - experts)] = False
+            self._flags[self._masks.bits(came)] = True
+        self._mask = int.from_bytes(np.packbits(self._flags, bitorder="little").tobytes(), "little")
+        self._set = experts if type(experts) is frozenset else frozenset(experts)
         return self._mask
-
-    def _apply(self, changes: Sequence[tuple[ExpertKey, bool]]) -> None:
-        """Set each expert's flag to whether it is in the set now, in order (the last change of an
-        expert wins): a plain loop, as a hundred changes cost less so than in numpy calls."""
-        flags, grid, experts = self._flags, self._masks.grid, len(self._masks.byte_map)
-        if grid is None:
-            bit = self._masks.bit
-            for key, present in changes:
-                flags[bit[key]] = present
-            return
-        per_layer, first = grid
-        for (layer, e), present in changes:
-            i = (layer - first) * per_layer + e
-            if not (0 <= e < per_layer and 0 <= i < experts):
-                raise KeyError((layer, e))
-            flags[i] = present
 
 
 def marginal_charges(

@@ -84,7 +84,7 @@ class OffloadedExperts:
         self.policy = make_policy(policy)
         self.link = Link.for_device(self.device, gbps=link_gbps, latency_s=link_latency_s)
         self._cond = threading.Condition()  # guards everything below, the policy and the counters
-        self._slots = SlotTable(self.num_slots)
+        self._slots = SlotTable(self.num_slots, self.num_experts)
         # CUDA: slot -> compute stream -> the last event after which that stream is done with the slot
         # (one per stream, not one per unpin: an expert that is never evicted would gather events forever)
         self._readers: dict[int, dict[torch.cuda.Stream, torch.cuda.Event]] = {}
@@ -119,7 +119,7 @@ class OffloadedExperts:
 
     def resident(self) -> ResidentKeys:
         """Keys resident in the arena or being copied into it now (queued prefetches excluded),
-        with the journal position a tick catches up from (`slot_table.ResidentKeys`)."""
+        with their bitmask, which a tick reads as one int (`slot_table.ResidentKeys`)."""
         with self._cond:
             return self._slots.resident()
 

@@ -3,8 +3,8 @@
 Owns the entries (an expert's slot, its fetch state, pins and whether a prefetch brought it
 in), the free slots, the prefetch claims (key -> unreleased claims on it), and the choice
 of a victim when no slot is free: among ready, unpinned entries, unclaimed before claimed,
-then the eviction policy's lowest score, and the journal of which keys came and went (read
-through `ResidentKeys` snapshots). Not thread-safe: the cache (`device_cache`) calls it under
+then the eviction policy's lowest score, and the resident keys as a bitmask kept as they come
+and go (read through `ResidentKeys` snapshots). Not thread-safe: the cache (`device_cache`) calls it under
 its own lock, and does the counting and the waiting.
 """
 
@@ -39,39 +39,28 @@ class Entry:
 
 
 class ResidentKeys(frozenset[ExpertKey]):
-    """The keys in the table at one moment, and where its journal stood then: whoever kept an
-    earlier snapshot's `journal` and `position` catches up by the changes between
-    (`changes_since`) instead of comparing two sets of every resident key."""
+    """The keys in the table at one moment, and the same keys as a bitmask the table keeps as
+    they come and go (bit layer * experts_per_layer + expert): whoever numbers experts that way
+    (the admission tick, on a grid byte map) reads the set as one int, not key by key."""
 
-    __slots__ = ("journal", "position")
-    journal: list[tuple[ExpertKey, bool]]
-    position: int
+    __slots__ = ("mask", "experts_per_layer")
+    mask: int
+    experts_per_layer: int
 
-    def __new__(cls, keys: Iterable[ExpertKey], journal: list[tuple[ExpertKey, bool]]) -> ResidentKeys:
+    def __new__(cls, keys: Iterable[ExpertKey], mask: int, experts_per_layer: int) -> ResidentKeys:
         snapshot = super().__new__(cls, keys)
-        snapshot.journal, snapshot.position = journal, len(journal)
+        snapshot.mask, snapshot.experts_per_layer = mask, experts_per_layer
         return snapshot
-
-    def changes_since(self, journal: object, position: int) -> list[tuple[ExpertKey, bool]] | None:
-        """(key, in the table after) for each change after `position` of `journal`, in order (the
-        last change of a key says whether it is in this snapshot); None if this snapshot was not
-        taken from that journal at or after `position` (the table started a new one since)."""
-        if journal is not self.journal or position > self.position:
-            return None
-        return self.journal[position : self.position]
-
-
-JOURNAL_LIMIT = 1 << 14  # changes a journal holds before the table starts a new one
 
 
 class SlotTable:
     """`num_slots` slots, each empty or holding one expert's entry."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, experts_per_layer: int) -> None:
         self.num_slots = num_slots
         self.entries: dict[ExpertKey, Entry] = {}
-        # (key, in the table after) per change, oldest first; append-only: a full one is replaced
-        self._journal: list[tuple[ExpertKey, bool]] = []
+        self.experts_per_layer = experts_per_layer
+        self._mask = 0  # the keys of `entries`, bit layer * experts_per_layer + expert
         self.claims: dict[ExpertKey, int] = {}  # key -> unreleased claims on it
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -93,12 +82,13 @@ class SlotTable:
                 self.claims.pop(key, None)
 
     def add(self, entry: Entry) -> None:
+        bit = self._bit(entry.key)
         self.entries[entry.key] = entry
-        self._log(entry.key, True)
+        self._mask ^= bit
 
     def resident(self) -> ResidentKeys:
         """The keys of every entry now (reserved or ready)."""
-        return ResidentKeys(self.entries, self._journal)
+        return ResidentKeys(self.entries, self._mask, self.experts_per_layer)
 
     def victim(self, score: Callable[[ExpertKey], tuple], *, allow_claimed: bool) -> Entry | None:
         """The entry to evict for a slot: ready, unpinned (and unclaimed unless `allow_claimed`),
@@ -115,11 +105,12 @@ class SlotTable:
 
     def remove(self, entry: Entry) -> None:
         """`entry` leaves the table; its slot is free again."""
+        self._mask ^= self._bit(entry.key)
         del self.entries[entry.key]
         self._free.append(entry.slot)
-        self._log(entry.key, False)
 
-    def _log(self, key: ExpertKey, present: bool) -> None:
-        if len(self._journal) >= JOURNAL_LIMIT:
-            self._journal = []  # snapshots of the old one still read it; later readers rebuild
-        self._journal.append((key, present))
+    def _bit(self, key: ExpertKey) -> int:
+        layer, expert = key
+        if not (0 <= expert < self.experts_per_layer and layer >= 0):
+            raise ValueError(f"expert {key!r} is not a (layer >= 0, expert < {self.experts_per_layer}) pair")
+        return 1 << (layer * self.experts_per_layer + expert)
