@@ -1,9 +1,10 @@
 """Which bytes a pending verify is charged against a byte budget (ARCHITECTURE "Which bytes a demand is charged").
 
 Owns the charge modes, the expert-set arithmetic behind marginal charges (sets as int
-bitmasks over one byte map; many unions at once as rows of packed 64-bit words), the lazy
-union of several sets (`UnionOf`) and the largest union a block can route (the byte cap's
-liveness bound). Pure arithmetic over the byte map, resident and in-flight sets it is
+bitmasks over one byte map, counted one union at a time; many unions at once as rows of
+packed 64-bit words), the resident set's mask as it drifts (`TrackedRow`), the lazy union of
+several sets (`UnionOf`) and the largest union a block can route (the byte cap's liveness
+bound). Pure arithmetic over the byte map, resident and in-flight sets it is
 handed; it never reads the cache itself.
 """
 
@@ -76,13 +77,14 @@ class UnionOf(Set[ExpertKey]):
 
 
 class ExpertMasks:
-    """Sets of experts as bits over one byte map: int masks (`mask`, `nbytes`) and rows of packed
-    64-bit words (`row`, `row_of`, `row_bytes`), the form a tick charges in.
+    """Sets of experts as bits over one byte map: int masks (`mask`, `nbytes`), the form a tick
+    charges in, and rows of packed 64-bit words (`row`, `row_of`, `row_bytes`), the form many
+    unions are counted in at once (the yield order's bytes alone, `marginal_charges`).
 
     As sets, charging one pending union is a set difference over its experts (about 75 ms per
-    tick for 256 Qwen3-30B-A3B-sized unions of ~2,500 experts on one CPU core). As rows, a
-    union is built once, when its verify is registered, and a tick charges all of them in a
-    few vectorized operations (`marginal_charges`; bench_admission.py times it).
+    tick for 256 Qwen3-30B-A3B-sized unions of ~2,500 experts on one CPU core). As masks, a
+    union is built once, when its verify is registered, and a tick charges each one it reads
+    in a few big-int operations (`MarginalCounter`; bench_admission.py times it).
     """
 
     SMALL = 64  # experts up to which or-ing single bits beats numpy's fixed cost
