@@ -166,12 +166,20 @@ class OffloadedExperts:
     def _measure_link(self, experts: int = LINK_SAMPLE_EXPERTS) -> float | None:
         """A real (CUDA) link's rate in byte-map bytes per second: the first experts of the store
         copied into free slots on the lane's stream, as fetches copy them (the slots stay free)."""
-        keys = list(self.store.keys[: min(experts, self.num_slots) + 1])
-        hosts = [self.store.expert(k) for k in keys]  # checked and mapped outside the timing
+        hosts: list[Any] = []  # HostExpert or GptOssHostExpert
+        nbytes: list[int] = []
+        for key in self.store.keys:  # checked and mapped outside the timing
+            if len(hosts) > min(experts, self.num_slots):
+                break
+            try:
+                hosts.append(self.store.expert(key))
+            except Exception:  # a corrupt expert fails the forward that needs it, not the cache
+                continue
+            nbytes.append(self.store.nbytes(key))
         with torch.cuda.stream(self.lane.stream):
             return measure_bytes_per_s(
                 [functools.partial(self.arena.copy_in, i % self.num_slots, host) for i, host in enumerate(hosts)],
-                [self.store.nbytes(k) for k in keys],
+                nbytes,
                 functools.partial(torch.cuda.synchronize, self.device),
             )
 
