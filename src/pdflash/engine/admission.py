@@ -2,19 +2,17 @@
 
 Owns the (tokens, expert bytes) value type every budget, cap, carried deficit and pool is
 written in, the one-tick admission function and its input checks, including the liveness
-rule that a cap must hold the largest single demand, and its first-fit rule over a line given
-as columns (`first_fit`, which the scheduler calls with inputs it checked at registration). Pure: no I/O, no mutation, no clock;
-the ticket scheduler (pdflash.engine.scheduler) owns order, tickets and the carry.
+rule that a cap must hold the largest single demand, and its first-fit rule over a line pulled
+one demand at a time (`first_fit_stream`, which the scheduler calls with inputs it checked at
+registration). Pure: no I/O, no mutation, no clock; the ticket scheduler
+(pdflash.engine.scheduler) owns order, tickets and the carry.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable, Iterable, Sequence
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 
 
 @attrs.frozen
@@ -89,32 +87,47 @@ def admit_verify_demands(
 
 
 def first_fit(
-    tokens: Sequence[int] | npt.NDArray[np.int64],
-    expert_bytes: Sequence[int] | npt.NDArray[np.int64],
-    skipped_ticks: Sequence[int] | npt.NDArray[np.int64],
+    tokens: Sequence[int],
+    expert_bytes: Sequence[int],
+    skipped_ticks: Sequence[int],
     pool_tokens: int,
     pool_bytes: int,
     barrier_after: int,
 ) -> tuple[list[int], int, int]:
-    """The admission rule over a line given as columns ([n] each, in order, none seated; values
-    below 2**62): indices of the demands admitted first-fit while they fit the pool in BOTH
-    dimensions, stopping at a barrier (skipped `barrier_after` times and not fitting), and the
-    pool left over (unclamped). Inputs are not checked: `admit_verify_demands` checks them."""
-    if isinstance(tokens, np.ndarray):  # a long line (the scheduler's): look only where it can matter
-        t, b, s = tokens, np.asarray(expert_bytes), np.asarray(skipped_ticks)
-        # The pool only shrinks: a demand that does not fit it now never will, so only the ones that
-        # fit now and the guarded ones (the possible barriers) need a look, in order.
-        look = np.flatnonzero(((t <= pool_tokens) & (b <= pool_bytes)) | (s >= barrier_after))
-        line = zip(look.tolist(), t[look].tolist(), b[look].tolist(), s[look].tolist())
-    else:
-        line = zip(itertools.count(), tokens, expert_bytes, skipped_ticks)
-    admitted = []
-    for i, ti, bi, si in line:
-        if ti <= pool_tokens and bi <= pool_bytes:
+    """The admission rule over a line given as columns ([n] each, in order, none seated):
+    `first_fit_stream` over them. Inputs are not checked: `admit_verify_demands` checks them."""
+    line = zip(tokens, expert_bytes, skipped_ticks, strict=True)
+    return first_fit_stream(line, pool_tokens, pool_bytes, barrier_after, min(tokens, default=0))
+
+
+def first_fit_stream(
+    line: Iterable[tuple[int, int, int]],
+    pool_tokens: int,
+    pool_bytes: int,
+    barrier_after: int,
+    fewest_tokens: int,
+) -> tuple[list[int], int, int]:
+    """Indices of the demands of `line` ((tokens, bytes, skipped ticks) each, in order, none
+    seated) admitted first-fit while they fit the pool in BOTH dimensions, stopping at a barrier
+    (skipped `barrier_after` times and not fitting), and the pool left over (unclamped).
+
+    `line` is pulled one demand at a time, and not past the point where nothing more can fit:
+    the pool only shrinks, so once it holds fewer than `fewest_tokens` (a lower bound on the
+    tokens of every demand left) or negative bytes (every charge is >= 0), the rest is neither
+    admitted nor a barrier that changes anything. A line whose charges are counted as it is
+    pulled (the scheduler's marginal charges) is counted only that far.
+    """
+    admitted: list[int] = []
+    if pool_tokens < fewest_tokens or pool_bytes < 0:
+        return admitted, pool_tokens, pool_bytes
+    for i, (tokens, expert_bytes, skipped) in enumerate(line):
+        if tokens <= pool_tokens and expert_bytes <= pool_bytes:
             admitted.append(i)
-            pool_tokens -= ti
-            pool_bytes -= bi
-        elif si >= barrier_after:
+            pool_tokens -= tokens
+            pool_bytes -= expert_bytes
+            if pool_tokens < fewest_tokens:
+                break  # nothing left fits
+        elif skipped >= barrier_after:
             break  # starvation guard: the pool is saved for this demand
     return admitted, pool_tokens, pool_bytes
 

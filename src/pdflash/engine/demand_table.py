@@ -1,12 +1,11 @@
-"""The registered verify demands as columns: what a tick reads, without touching a Python object per demand.
+"""The registered verify demands as columns: what a tick reads, without rebuilding a set per demand.
 
-Owns one slot per registered demand (its tokens, expected tokens, the tick it was queued at
-and, with byte masks, its union's row of packed words over the scheduler's `ExpertMasks`),
-the row of what a tick charges against (resident, tracked by its differences, ∪ in flight,
-whose registered parts are found by identity), the scratch buffer a tick counts in, and
-gathering a tick's line, so that charging and ordering 256 Qwen3-30B-A3B-sized unions are a
-handful of vectorized operations over rows built once, at registration
-(pdflash.engine.charging defines the charges). Knows nothing of tickets, budgets or order policies.
+Owns one slot per registered demand (its tokens, expected tokens and, with byte masks, its
+union as an int mask and as a row of packed words over the scheduler's `ExpertMasks`, both
+built once, at registration), the mask of what a tick charges against (resident, tracked by
+its differences, ∪ in flight, whose registered parts are found by identity) and the bytes each
+union adds to it alone (the yield order's denominator: one vectorized pass over the rows).
+pdflash.engine.charging defines the charges. Knows nothing of tickets, budgets or order policies.
 """
 
 from __future__ import annotations
@@ -16,11 +15,11 @@ from collections.abc import Sequence, Set
 import numpy as np
 import numpy.typing as npt
 
-from pdflash.engine.charging import ExpertMasks, Rows, TrackedRow, UnionOf, marginal_charges, without
+from pdflash.engine.charging import ExpertMasks, Rows, TrackedRow, UnionOf, row_mask, without
 from pdflash.target.experts import ExpertKey
 
 Slots = npt.NDArray[np.intp]  # [n] slot numbers, a tick's line in order
-EMPTY = 0  # the slot whose row stays empty (never a demand's): row 0 of a tick's gathers
+EMPTY = 0  # a slot never given to a demand
 
 
 class DemandTable:
@@ -29,9 +28,10 @@ class DemandTable:
     def __init__(self, masks: ExpertMasks | None, capacity: int = 64) -> None:
         self.masks = masks
         self.words = masks.words if masks is not None else 0
-        self.tokens = np.zeros(capacity, dtype=np.int64)  # [slots] tokens in the block to verify
+        self._held: dict[int, int] = {}  # slot -> tokens of its demand, for the slots holding one
+        self._token_counts: dict[int, int] = {}  # tokens -> demands registered with that many
         self.expected = np.zeros(capacity, dtype=np.float64)  # [slots] E[tokens its verify commits]
-        self.queued_tick = np.zeros(capacity, dtype=np.int64)  # [slots] ticks run when it was first queued
+        self.masks_of: list[int] = [0] * capacity  # [slots] each union's int mask
         self._rows: Rows = np.zeros((capacity, self.words), dtype=np.uint64)  # [slots, words] union rows
         self._counts = np.zeros((capacity, self.words), dtype=np.uint8)  # [slots, words] popcount scratch
         self._free = list(range(capacity - 1, EMPTY, -1))  # popped from the end: lowest slot first
@@ -39,66 +39,67 @@ class DemandTable:
         self._union_ids: dict[int, int] = {}  # slot -> id(its union), the key above
         self._resident = TrackedRow(masks) if masks is not None else None
 
-    def add(self, queued_tick: int) -> int:
-        """A free slot, queued at `queued_tick` (then `set` its demand)."""
+    def add(self) -> int:
+        """A free slot (then `set` its demand)."""
         if not self._free:
             self._grow()
-        slot = self._free.pop()
-        self.queued_tick[slot] = queued_tick
-        return slot
+        return self._free.pop()
 
     def set(self, slot: int, tokens: int, expected_tokens: float, union: frozenset[ExpertKey]) -> None:
         """The demand of `slot` (a re-registration replaces the one it had)."""
         self._forget(slot)
-        self.tokens[slot], self.expected[slot] = tokens, expected_tokens
+        self.expected[slot] = expected_tokens
+        self._held[slot] = tokens
+        self._token_counts[tokens] = self._token_counts.get(tokens, 0) + 1
         if self.masks is not None:
             self._rows[slot] = self.masks.row_of(union)
+            self.masks_of[slot] = row_mask(self._rows[slot])
             self._unions[id(union)] = (union, slot)  # a part of an in-flight UnionOf later
             self._union_ids[slot] = id(union)
-
-    def covered(self, resident: Set[ExpertKey], in_flight: Set[ExpertKey]) -> Rows:
-        """[words] the row of resident ∪ in flight (a registered union's row is looked up, not built)."""
-        assert self.masks is not None and self._resident is not None
-        covered = self._resident.of(resident).copy()
-        slots = [EMPTY]
-        for part in in_flight.parts if isinstance(in_flight, UnionOf) else (in_flight,):
-            known = self._unions.get(id(part))
-            if known is not None and known[0] is part:
-                slots.append(known[1])
-            elif part:
-                covered |= self.masks.row_of(part)
-        return covered | np.bitwise_or.reduce(self._rows.take(slots, axis=0), axis=0)
 
     def free(self, slot: int) -> None:
         self._forget(slot)
         self._free.append(slot)
 
+    def fewest_tokens(self) -> int:
+        """The fewest tokens any registered demand holds (a lower bound on every waiting one's)."""
+        return min(self._token_counts, default=0)
+
+    def covered(self, resident: Set[ExpertKey], in_flight: Set[ExpertKey]) -> tuple[int, frozenset[int]]:
+        """The mask of resident ∪ in flight (a registered union's mask is looked up, not built),
+        and the slots whose unions are parts of the in-flight set (so covered: charged nothing)."""
+        assert self.masks is not None and self._resident is not None
+        covered, inside = self._resident.mask_of(resident), []
+        for part in in_flight.parts if isinstance(in_flight, UnionOf) else (in_flight,):
+            known = self._unions.get(id(part))
+            if known is not None and known[0] is part:
+                covered |= self.masks_of[known[1]]
+                inside.append(known[1])
+            elif part:
+                covered |= self.masks.mask(part)
+        return covered, frozenset(inside)
+
+    def alone_bytes(self, slots: Slots, covered: int) -> npt.NDArray[np.int64]:
+        """[n] bytes the union of each of `slots` adds to the mask `covered`, each as if alone."""
+        assert self.masks is not None
+        rows = without(self._rows.take(slots, axis=0), self.masks.row(covered))  # [n, words]
+        return self.masks.row_bytes(rows, self._counts)
+
     def _forget(self, slot: int) -> None:
-        """`slot`'s union is no longer registered (unless another slot registered the same object since)."""
+        """`slot`'s demand is no longer registered, nor its union (unless another slot registered the same object since)."""
+        tokens = self._held.pop(slot, None)
+        if tokens is not None:
+            left = self._token_counts.pop(tokens) - 1
+            if left:
+                self._token_counts[tokens] = left
         key = self._union_ids.pop(slot, None)
         if key is not None and self._unions.get(key, (None, EMPTY))[1] == slot:
             del self._unions[key]
 
-    def uncovered(self, slots: Slots, covered: Rows) -> Rows:
-        """[1 + n, words]: an empty row, then the union of each of `slots` less `covered` ([words])."""
-        rows = self._rows.take(np.concatenate(([EMPTY], slots)), axis=0)
-        return without(rows, covered)
-
-    def nbytes(self, rows: Rows) -> npt.NDArray[np.int64]:
-        """[n] bytes of each of `rows` ([n, words])."""
-        assert self.masks is not None
-        return self.masks.row_bytes(rows, self._counts)
-
-    def marginal(self, stacked: Rows) -> npt.NDArray[np.int64]:
-        """`charging.marginal_charges` of `stacked` ([1 + n, words], overwritten), counted in this table's scratch."""
-        assert self.masks is not None
-        return marginal_charges(self.masks, stacked, self._counts)
-
     def _grow(self) -> None:
-        n = len(self.tokens)
-        self.tokens, self.expected, self.queued_tick = (
-            np.concatenate([c, np.zeros_like(c)]) for c in (self.tokens, self.expected, self.queued_tick)
-        )
+        n = len(self.expected)
+        self.expected = np.concatenate([self.expected, np.zeros(n)])
+        self.masks_of += [0] * n
         self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
         self._counts = np.zeros((2 * n, self.words), dtype=np.uint8)
         self._free = list(range(2 * n - 1, n - 1, -1))

@@ -246,7 +246,7 @@ class VerifyPacer:
         self.stats.ticks += 1
         self.stats.ticks_in_flight += bool(in_flight_union)
         self.stats.tick_times.append(time.perf_counter())
-        resident = frozenset(self.provider.resident()) if self.provider is not None else frozenset()
+        resident = self.provider.resident() if self.provider is not None else frozenset()  # carries its bitmask
         budget = self.derived.per_tick() if self.derived is not None else None
         self.scheduler.tick(resident, in_flight_union, budget=budget)
         # what this tick admitted, and any a cancel's refund re-assigned since the last one

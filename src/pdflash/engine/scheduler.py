@@ -1,11 +1,10 @@
 """The ticket scheduler: arrival order, the carried deficit and admission tickets around the pure admission.
 
-Owns which pending verifies a tick offers the pure admission (`first_fit`), in what order,
-with what byte charges (pdflash.engine.charging over the byte map it was built with,
-computed on the rows of pdflash.engine.demand_table), the carry between ticks, and the
-tickets sequences await. Must not touch sequence state machines,
-model work or the expert cache: the engine hands each tick the resident and in-flight
-expert sets; this module only reads them.
+Owns which pending verifies a tick offers the pure admission (`first_fit_stream`), in what
+order, with what byte charges (pdflash.engine.charging over the byte map it was built with,
+on the masks of pdflash.engine.demand_table), the carry between ticks, and the tickets
+sequences await. Must not touch sequence state machines, model work or the expert cache: the
+engine hands each tick the resident and in-flight expert sets; this module only reads them.
 
 Engine protocol, per sequence:  register -> await ticket.wait() -> (the engine calls
 tick(), which admits) -> mark_in_flight (optional) -> finish.  An aborted sequence calls
@@ -16,15 +15,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Set
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Set
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 
 from pdflash.checks import require_int
-from pdflash.engine.admission import ZERO, TokensBytes, VerifyAdmission, first_fit, require_fits_cap
-from pdflash.engine.charging import ChargeMode, ExpertMasks, Rows, charge_bytes
+from pdflash.engine.admission import ZERO, TokensBytes, VerifyAdmission, first_fit_stream, require_fits_cap
+from pdflash.engine.charging import ChargeMode, ExpertMasks, MarginalCounter
 from pdflash.engine.demand_table import DemandTable, slots_of
 from pdflash.engine.ordering import offer_order, offer_order_columns
 from pdflash.engine.ticket import Ticket
@@ -49,9 +46,15 @@ class _Entry:
     request: VerifyRequest
     ticket: Ticket
     registered_at: float  # seconds (scheduler clock), first registration
+    queued_tick: int  # ticks run when it was first queued: the ticks since then skipped it
     slot: int  # its columns in the scheduler's DemandTable
     admitted_tick: int = -1  # tick number that admitted it
-    charge: TokensBytes = ZERO  # (tokens, bytes) charged when admitted
+    charged_bytes: int = 0  # bytes charged when admitted
+
+    @property
+    def charge(self) -> TokensBytes:
+        """(tokens, bytes) charged when admitted (built when asked: a tick hands out many)."""
+        return TokensBytes(self.request.tokens, self.charged_bytes)
 
 
 @attrs.frozen
@@ -155,7 +158,7 @@ class VerifyScheduler:
             entry.request = request  # keeps its place, its skipped ticks and its ticket
         else:
             ticket = Ticket(seq_id, self._release)
-            entry = self._queue[seq_id] = _Entry(request, ticket, self._clock(), self._table.add(self._ticks))
+            entry = self._queue[seq_id] = _Entry(request, ticket, self._clock(), self._ticks, self._table.add())
         self._table.set(entry.slot, tokens, expected_tokens, request.union)
         return entry.ticket
 
@@ -183,10 +186,7 @@ class VerifyScheduler:
             entry.ticket._cancel()
         elif (entry := self._admitted.pop(seq_id, None)) is not None:
             if entry.admitted_tick == self._ticks:
-                self._pool = (
-                    self._pool[0] + entry.charge.tokens,
-                    self._pool[1] + entry.charge.expert_bytes,
-                )
+                self._pool = (self._pool[0] + entry.request.tokens, self._pool[1] + entry.charged_bytes)
         elif (entry := self._in_flight.pop(seq_id, None)) is None:
             return False
         self._table.free(entry.slot)
@@ -220,32 +220,20 @@ class VerifyScheduler:
         if budget is not None:  # derived budgets: this tick's quantum (the caps stay)
             self.budget = budget
         seated = list(self._in_flight.values())
-        waiting = list(self._queue.values())
-        seated_slots = slots_of([e.slot for e in seated])
-        slots = slots_of([e.slot for e in waiting])  # [m] arrival order
-        n = len(seated)
-        uncovered = None  # [1 + n + m, words]: empty, then the seated and waiting unions less resident ∪ in flight
+        covered, inside = None, frozenset[int]()  # mask of resident ∪ in flight, when charges or order need it
         if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
-            covered = self._table.covered(resident, in_flight_union)
-            uncovered = self._table.uncovered(np.concatenate((seated_slots, slots)), covered)
-        offered = self._offered(slots, uncovered[1 + n :] if uncovered is not None else None)  # [m] into waiting
-        slots = slots[offered]
-        charges = self._charges(seated, waiting, offered, uncovered)
-        picked, pool_tokens, pool_bytes = first_fit(
-            self._table.tokens[slots],
-            charges[n:],
-            self._ticks - self._table.queued_tick[slots],
-            self.budget.tokens + self._carried.tokens - int(self._table.tokens[seated_slots].sum()),
-            self.budget.expert_bytes + self._carried.expert_bytes - int(charges[:n].sum()),
-            self.barrier_after,
+            covered, inside = self._table.covered(resident, in_flight_union)
+        charge = self._charger(covered, inside)
+        pool = (
+            self.budget.tokens + self._carried.tokens - sum([e.request.tokens for e in seated]),
+            self.budget.expert_bytes + self._carried.expert_bytes - sum([charge(e) for e in seated]),  # seated first
         )
-        waiting = [waiting[offered[i]] for i in picked]  # now: the admitted, in offer order
+        admitted, charges, self._pool = self._first_fit(self._line(covered), charge, *pool)
         self._ticks += 1  # every demand still queued after this was skipped by it
-        self._pool = (pool_tokens, pool_bytes)
-        self._carried = TokensBytes(pool_tokens, pool_bytes).clamped(self.cap)
-        self._hand_out(waiting, charges[n:][picked].tolist())
+        self._carried = TokensBytes(*self._pool).clamped(self.cap)
+        self._hand_out(admitted, charges)
         self._last_tick_s = self._clock() - start
-        ids = (tuple(e.request.seq_id for e in seated), tuple(e.request.seq_id for e in waiting))
+        ids = (tuple([e.request.seq_id for e in seated]), tuple([e.request.seq_id for e in admitted]))
         return VerifyAdmission(seated_ids=ids[0], admitted_ids=ids[1], carried=self._carried)
 
     def pending_count(self) -> int:
@@ -287,64 +275,76 @@ class VerifyScheduler:
             most = r.fetch_bytes if self.charge_mode is ChargeMode.FETCH else r.full_bytes
             require_fits_cap("byte_cap", self.cap.expert_bytes, most, f"the bytes {who} may be charged")
 
-    def _offered(self, slots: npt.NDArray[np.intp], uncovered: Rows | None) -> npt.NDArray[np.intp]:
-        """Indices of the waiting demands (`slots`, arrival order; `uncovered`: their unions less
-        resident ∪ in flight) in the order this tick offers them (pdflash.engine.ordering)."""
-        if self.order == "arrival" or len(slots) < 2 or uncovered is None:
-            return np.arange(len(slots), dtype=np.intp)
-        t = self._table
-        alone = t.nbytes(uncovered)
-        return offer_order_columns(
-            t.expected[slots], alone, self._ticks - t.queued_tick[slots], self.order, self.barrier_after
+    def _line(self, covered: int | None) -> Iterator[_Entry]:
+        """The waiting demands in the order this tick offers them (pdflash.engine.ordering), as
+        first-fit pulls them. The guarded ones come first, in arrival order; as queued ticks
+        only grow along the arrival order, they are a prefix of it. The rest is ordered (their
+        bytes counted beyond `covered`) only if first-fit gets that far."""
+        waiting, last_guarded = iter(self._queue.values()), self._ticks - self.barrier_after
+        for entry in waiting:
+            if entry.queued_tick > last_guarded:
+                break
+            yield entry
+        else:
+            return
+        if self.order == "arrival" or covered is None:
+            yield entry
+            yield from waiting
+            return
+        rest = [entry, *waiting]
+        t, slots, skipped = self._table, slots_of([e.slot for e in rest]), [self._ticks - e.queued_tick for e in rest]
+        order = offer_order_columns(
+            t.expected[slots], t.alone_bytes(slots, covered), skipped, self.order, self.barrier_after
         )
+        yield from map(rest.__getitem__, order.tolist())
 
-    def _charges(
-        self, seated: list[_Entry], waiting: list[_Entry], offered: npt.NDArray[np.intp], uncovered: Rows | None
-    ) -> npt.NDArray[np.int64]:
-        """[n + m] bytes charged to each demand of the line: `seated`, then `waiting` in `offered`
-        order (`uncovered`: their unions less what is covered, as `tick` has them)."""
-        n = len(seated)
+    def _charger(self, covered: int | None, inside: Set[int] = frozenset()) -> Callable[[_Entry], int]:
+        """Bytes to charge each demand it is called on, in the order called: marginal charges
+        count each union beyond `covered` and every union charged before it (none for the
+        slots `inside` it: the running batch, whose unions are the parts of the in-flight set)."""
         if self.token_only:
-            return np.zeros(n + len(offered), dtype=np.int64)
-        if self.charge_mode is ChargeMode.MARGINAL and uncovered is not None:
-            reordered = self.order != "arrival"  # else `uncovered` is in line order already
-            stacked = (
-                uncovered.take(np.concatenate((np.arange(n + 1), n + 1 + offered)), axis=0) if reordered else uncovered
-            )
-            return self._table.marginal(stacked)
-        line = [e.request for e in seated] + [waiting[i].request for i in offered]
-        return np.asarray(charge_bytes(line, self.charge_mode, None, frozenset(), frozenset()), dtype=np.int64)
+            return lambda entry: 0
+        if self.charge_mode is ChargeMode.MARGINAL and covered is not None and self._masks is not None:
+            counter, masks_of = MarginalCounter(self._masks, covered), self._table.masks_of
+            return lambda entry: 0 if entry.slot in inside else counter(masks_of[entry.slot])
+        if self.charge_mode is ChargeMode.FETCH:
+            return lambda entry: entry.request.fetch_bytes
+        return lambda entry: entry.request.full_bytes  # full; marginal's upper bound between ticks
+
+    def _first_fit(
+        self, line: Iterable[_Entry], charge: Callable[[_Entry], int], pool_tokens: int, pool_bytes: int
+    ) -> tuple[list[_Entry], list[int], tuple[int, int]]:
+        """`first_fit_stream` over `line` (charged by `charge`): admitted, their charges, the pool left."""
+        offered: list[tuple[_Entry, int]] = []
+
+        def columns(ticks: int = self._ticks) -> Iterator[tuple[int, int, int]]:
+            for entry in line:
+                offered.append((entry, bytes_charged := charge(entry)))
+                yield entry.request.tokens, bytes_charged, ticks - entry.queued_tick
+
+        fewest = self._table.fewest_tokens()
+        picked, *pool = first_fit_stream(columns(), pool_tokens, pool_bytes, self.barrier_after, fewest)
+        return [offered[i][0] for i in picked], [offered[i][1] for i in picked], (pool[0], pool[1])
 
     def _hand_out(self, admitted: list[_Entry], charges: Iterable[int]) -> None:
         """Move admitted demands out of the queue and wake their waiters, in order."""
         if not admitted:
             return
         now = self._clock()
+        self._admitted_total += len(admitted)
         for entry, charge in zip(admitted, charges, strict=True):
             seq_id = entry.request.seq_id
             del self._queue[seq_id]
-            entry.admitted_tick = self._ticks
-            entry.charge = TokensBytes(entry.request.tokens, int(charge))
+            entry.admitted_tick, entry.charged_bytes = self._ticks, charge
             self._admitted[seq_id] = entry
-            self._admitted_total += 1
             self._waits.append(now - entry.registered_at)
             entry.ticket._admit()
 
     def _reassign(self) -> None:
-        """Hand the current tick's leftover pool to waiting demands; not a new tick."""
-        if self._pool[0] >= 0 and self._pool[1] >= 0 and self._queue:  # else nothing fits
-            waiting = list(self._queue.values())
-            slots = slots_of([e.slot for e in waiting])
-            if not self.token_only and self.charge_mode is ChargeMode.MARGINAL:
-                # No fresh resident / in-flight sets between ticks: charge full unions (an
-                # upper bound on the marginal bytes), so re-assignment never overspends.
-                charges = np.array([e.request.full_bytes for e in waiting], dtype=np.int64)
-            else:
-                charges = self._charges([], waiting, np.arange(len(waiting)), None)
-            skipped = self._ticks - self._table.queued_tick[slots]
-            picked, pool_tokens, pool_bytes = first_fit(
-                self._table.tokens[slots], charges, skipped, *self._pool, self.barrier_after
-            )
-            self._pool = (pool_tokens, pool_bytes)
-            self._hand_out([waiting[i] for i in picked], charges[picked].tolist())
+        """Hand the current tick's leftover pool to waiting demands, in arrival order; not a new tick.
+        No fresh resident / in-flight sets between ticks: marginal charges are full unions (an
+        upper bound on the marginal bytes), so re-assignment never overspends."""
+        if self._queue:
+            admitted, charges, self._pool = self._first_fit(self._queue.values(), self._charger(None), *self._pool)
+            self._hand_out(admitted, charges)
         self._carried = TokensBytes(*self._pool).clamped(self.cap)

@@ -32,7 +32,7 @@ from pdflash.offload.gpt_oss_store import GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpertStore
 from pdflash.offload.link import Link, measure_bytes_per_s
 from pdflash.offload.prefetch import PrefetchLane, Priority
-from pdflash.offload.slot_table import Entry, EntryState, SlotTable
+from pdflash.offload.slot_table import Entry, EntryState, ResidentKeys, SlotTable
 from pdflash.target.config import ModelConfig
 from pdflash.target.experts import ExpertKey
 from pdflash.target.gpt_oss_config import GptOssConfig
@@ -84,7 +84,7 @@ class OffloadedExperts:
         self.policy = make_policy(policy)
         self.link = Link.for_device(self.device, gbps=link_gbps, latency_s=link_latency_s)
         self._cond = threading.Condition()  # guards everything below, the policy and the counters
-        self._slots = SlotTable(self.num_slots)
+        self._slots = SlotTable(self.num_slots, self.num_experts)
         # CUDA: slot -> compute stream -> the last event after which that stream is done with the slot
         # (one per stream, not one per unpin: an expert that is never evicted would gather events forever)
         self._readers: dict[int, dict[torch.cuda.Stream, torch.cuda.Event]] = {}
@@ -117,10 +117,11 @@ class OffloadedExperts:
             with self._cond:
                 self._unpin(held)
 
-    def resident(self) -> frozenset[ExpertKey]:
-        """Keys resident in the arena or being copied into it now (queued prefetches excluded)."""
+    def resident(self) -> ResidentKeys:
+        """Keys resident in the arena or being copied into it now (queued prefetches excluded),
+        with their bitmask, which a tick reads as one int (`slot_table.ResidentKeys`)."""
         with self._cond:
-            return frozenset(self._slots.entries)
+            return self._slots.resident()
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, union: Iterable[ExpertKey], priority: Priority = Priority.ROUTE_AHEAD) -> ExpertClaim:

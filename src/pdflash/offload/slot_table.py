@@ -3,8 +3,9 @@
 Owns the entries (an expert's slot, its fetch state, pins and whether a prefetch brought it
 in), the free slots, the prefetch claims (key -> unreleased claims on it), and the choice
 of a victim when no slot is free: among ready, unpinned entries, unclaimed before claimed,
-then the eviction policy's lowest score. Not thread-safe: the cache (`device_cache`) calls
-it under its own lock, and does the counting and the waiting.
+then the eviction policy's lowest score, and the resident keys as a bitmask kept as they come
+and go (read through `ResidentKeys` snapshots). Not thread-safe: the cache (`device_cache`) calls it under
+its own lock, and does the counting and the waiting.
 """
 
 from __future__ import annotations
@@ -37,12 +38,29 @@ class Entry:
     error: Exception | None = None
 
 
+class ResidentKeys(frozenset[ExpertKey]):
+    """The keys in the table at one moment, and the same keys as a bitmask the table keeps as
+    they come and go (bit layer * experts_per_layer + expert): whoever numbers experts that way
+    (the admission tick, on a grid byte map) reads the set as one int, not key by key."""
+
+    __slots__ = ("mask", "experts_per_layer")
+    mask: int
+    experts_per_layer: int
+
+    def __new__(cls, keys: Iterable[ExpertKey], mask: int, experts_per_layer: int) -> ResidentKeys:
+        snapshot = super().__new__(cls, keys)
+        snapshot.mask, snapshot.experts_per_layer = mask, experts_per_layer
+        return snapshot
+
+
 class SlotTable:
     """`num_slots` slots, each empty or holding one expert's entry."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, experts_per_layer: int) -> None:
         self.num_slots = num_slots
         self.entries: dict[ExpertKey, Entry] = {}
+        self.experts_per_layer = experts_per_layer
+        self._mask = 0  # the keys of `entries`, bit layer * experts_per_layer + expert
         self.claims: dict[ExpertKey, int] = {}  # key -> unreleased claims on it
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -64,7 +82,13 @@ class SlotTable:
                 self.claims.pop(key, None)
 
     def add(self, entry: Entry) -> None:
+        bit = self._bit(entry.key)
         self.entries[entry.key] = entry
+        self._mask ^= bit
+
+    def resident(self) -> ResidentKeys:
+        """The keys of every entry now (reserved or ready)."""
+        return ResidentKeys(self.entries, self._mask, self.experts_per_layer)
 
     def victim(self, score: Callable[[ExpertKey], tuple], *, allow_claimed: bool) -> Entry | None:
         """The entry to evict for a slot: ready, unpinned (and unclaimed unless `allow_claimed`),
@@ -81,5 +105,12 @@ class SlotTable:
 
     def remove(self, entry: Entry) -> None:
         """`entry` leaves the table; its slot is free again."""
+        self._mask ^= self._bit(entry.key)
         del self.entries[entry.key]
         self._free.append(entry.slot)
+
+    def _bit(self, key: ExpertKey) -> int:
+        layer, expert = key
+        if not (0 <= expert < self.experts_per_layer and layer >= 0):
+            raise ValueError(f"expert {key!r} is not a (layer >= 0, expert < {self.experts_per_layer}) pair")
+        return 1 << (layer * self.experts_per_layer + expert)
