@@ -84,7 +84,7 @@ class SlotTable:
     def add(self, entry: Entry) -> None:
         bit = self._bit(entry.key)
         self.entries[entry.key] = entry
-        self._mask ^= bit
+        self._mask |= bit
 
     def resident(self) -> ResidentKeys:
         """The keys of every entry now (reserved or ready)."""
@@ -105,7 +105,7 @@ class SlotTable:
 
     def remove(self, entry: Entry) -> None:
         """`entry` leaves the table; its slot is free again."""
-        self._mask ^= self._bit(entry.key)
+        self._mask &= ~self._bit(entry.key)
         del self.entries[entry.key]
         self._free.append(entry.slot)
 
