@@ -1,8 +1,9 @@
 """The verify pacer: one admission tick per verify launch, each batch's fetches hidden behind its predecessor.
 
 Owns when ticks run (when the target lane is about to launch a batch and, at most once while
-a batch runs, as soon as new demands wait; with a link, only once the sequences still drafting
-have joined or waiting longer would idle the link: `_gather_s`), the budgets of each tick
+a batch runs, as soon as new demands wait; once the sequences still drafting have joined, or
+waiting longer would idle the link, or, resident, cost more than the launch it saves:
+`_gather_s`), the budgets of each tick
 (fixed, token-only, or derived: every seat's block), the route-ahead prefetch of every admitted
 verify (one cache claim per sequence), launching each admitted set as ONE batched verify,
 and handing each sequence its result. Must not touch lifecycles: every sequence's own
@@ -148,12 +149,12 @@ class VerifyPacer:
         launch of `batch` (admitted, prefetching) and of the waiting demands waits while other
         sequences still draft, as long as the link is busy with `batch`'s copies anyway, or for
         as long as the drafts take (the drafter's measured seconds per sequence): merged,
-        a round's experts cross the link once. Without a link (resident experts) it never
-        waits: drafting overlaps verifying.
+        a round's experts cross the link once. Without a link (resident experts) what merging
+        saves is a launch: a second, smaller verify pays the verify's fixed seconds again (on
+        a CPU, or a GPU at small batches, most of its cost). So it waits only while the drafts
+        are due sooner than that; slower drafts overlap the verify as two cohorts.
         """
         link = self.provider.link_bytes_per_s if self.provider is not None else None
-        if link is None:
-            return 0.0
         coming = sum(_drafting(s) for s in self._seqs.values())
         if not coming:
             return 0.0
@@ -161,12 +162,16 @@ class VerifyPacer:
         waiting = batch + [s for s in self._seqs.values() if _awaiting_admission(s) and id(s) not in busy]
         if not waiting:
             return 0.0
-        assert self.provider is not None
-        prefetching = frozenset().union(*(s.draft.expert_union for s in batch if s.draft is not None))
-        copying_s = self.speculator.union_bytes(prefetching - self.provider.resident()) / link
+        copying_s = 0.0
+        if link is not None and self.provider is not None:
+            prefetching = frozenset().union(*(s.draft.expert_union for s in batch if s.draft is not None))
+            copying_s = self.speculator.union_bytes(prefetching - self.provider.resident()) / link
         drafting_since = max(self._ended_at, *(s.drafted_at for s in waiting))
         drafts_due = drafting_since + coming * self.planner.draft_s
-        return max(0.0, copying_s, drafts_due - time.perf_counter())
+        wait_s = max(0.0, copying_s, drafts_due - time.perf_counter())
+        if link is None and wait_s >= self.planner.verify_fixed_s:
+            return 0.0  # resident: waiting would cost more than the launch it saves
+        return wait_s
 
     async def _launch(self, batch: list[Sequence]) -> None:
         """Run `batch` as one verify; meanwhile admit (and prefetch) the next once demands wait."""

@@ -68,6 +68,12 @@ class SpeculationPlanner:
         return self.mode == "adaptive" and self.max_block > 1
 
     @property
+    def verify_fixed_s(self) -> float:
+        """A batched verify's fixed seconds, whatever its tokens, as fitted (0 before any verify)."""
+        fit = self._fit.solve()
+        return fit[0] if fit is not None else 0.0
+
+    @property
     def draft_s(self) -> float:
         """Drafter seconds per drafted sequence, as measured (0 before any draft)."""
         return self._draft_s or 0.0
