@@ -2,9 +2,9 @@
 
 Owns the link label every offload figure carries, the emulated transfer time and a real
 link's rate, measured once when the cache is built (the speculation policy and the pacer
-weigh bytes by it; `measure_bytes_per_s`). The emulated link is one serial pipe: a fetch requested at time r starts when the pipe is free
-(or at r, if later) and takes bytes / bandwidth + latency; the lane thread sleeps until that
-virtual completion. Pacing by completion times, not by summing sleeps, keeps each sleep's
+weigh bytes by it; `measure_bytes_per_s`). The emulated link is one serial pipe: a fetch
+requested at time r starts when the pipe is free (or at r, if later) and takes bytes /
+bandwidth + latency; the lane thread sleeps until that virtual completion. Pacing by completion times, not by summing sleeps, keeps each sleep's
 overshoot from accumulating over a burst of queued fetches. Knows nothing of caches or tensors:
 the cache hands the measurement its copies.
 """
