@@ -4,9 +4,8 @@ Owns when ticks run (when the target lane is about to launch a batch and, at mos
 a batch runs, as soon as new demands wait; once the sequences still drafting have joined, or
 waiting longer would idle the link, or, resident, cost more than the launch it saves:
 `_gather_s`), the budgets of each tick (fixed, token-only, or derived: every seat's block),
-the route-ahead prefetch of every admitted
-verify (one cache claim per sequence), launching each admitted set as ONE batched verify,
-and handing each sequence its result. Must not touch lifecycles: every sequence's own
+the route-ahead prefetch of every admitted verify (one cache claim per sequence), launching
+each admitted set as ONE batched verify, and handing each sequence its result. Must not touch lifecycles: every sequence's own
 coroutine registers its demand, awaits its ticket and then `verified(seq)`.
 
     lane:   [ verify N           ][ verify N+1          ][ ...
