@@ -138,12 +138,16 @@ def test_derived_budgets_bound_no_bytes():
     assert result.wall_s == pytest.approx(rounds * max(compute_s, 2 * link_s + compute_s / 2))
 
 
-@pytest.mark.parametrize("config, merged", [("dflash-derived", True), ("resident", False)])
-def test_with_a_link_a_launch_gathers_the_sequences_still_drafting(config, merged):
-    # B arrives while A verifies, so B's prefill and first draft trail A's: without a link the
-    # two alternate for good (B3); with one, A's next launch waits while the link still copies
-    # B's union and B drafts, and the two merge into one batch
-    costs = Costs(prefill=0.003, draft=0.002, verify_dense=0.001, verify_experts=0.004)
+@pytest.mark.parametrize(
+    "config, draft_s, merged", [("dflash-derived", 0.002, True), ("resident", 0.002, True), ("resident", 0.020, False)]
+)
+def test_with_a_link_a_launch_gathers_the_sequences_still_drafting(config, draft_s, merged):
+    # B arrives while A verifies, so B's prefill and first draft trail A's. With a link, A's next
+    # launch waits while the link still copies B's union and B drafts, and the two merge into
+    # one batch. Resident (B3), it waits only while B's draft is due sooner than a verify's
+    # fixed cost (the launch merging saves): a 2 ms draft merges; a 20 ms one, longer than
+    # the whole verify, leaves the two alternating for good
+    costs = Costs(prefill=0.003, draft=draft_s, verify_dense=0.001, verify_experts=0.004)
     setup = _setup(config, costs, RoundRouting(), link_bytes_per_s=EXPERT_BYTES / 0.020)
     result = simulate_open_loop(setup, [4, 4], arrival_times_s=[0.0, 0.001], max_tokens=8)
     assert (max(result.extra["verify_batches"]) == 2) is merged

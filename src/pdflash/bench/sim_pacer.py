@@ -90,10 +90,11 @@ class SimPacer:
     def _gather_s(self, batch: list[SimRequest]) -> float:
         """VerifyPacer._gather_s: how long a launch may still wait for sequences drafting (0: go).
 
-        With a link, while other sequences draft toward a demand: as long as the link is busy
+        While other sequences draft toward a demand: with a link, as long as the link is busy
         with `batch`'s copies, or until their drafts are due (the drafter's measured seconds per
-        sequence); never without one (resident), nor in the lock-step engine."""
-        if self.sim.cache is None or not self.sim.s.pipelined:
+        sequence); resident, until their drafts are due if that is sooner than a verify's
+        fitted fixed seconds (the launch it saves); never in the lock-step engine."""
+        if not self.sim.s.pipelined:
             return 0.0
         coming = sum(1 for q in self.sim.seated.values() if q.acceptance is not None and q.ticket is None)
         if not coming:
@@ -101,13 +102,17 @@ class SimPacer:
         waiting = batch + [q for q in self.sim.seated.values() if q.ticket is not None and not q.ticket.admitted]
         if not waiting:
             return 0.0
-        prefetching = frozenset().union(*(round_of(q).projected for q in batch))
-        copying_s = (
-            union_bytes(prefetching - self.sim.cache.resident(), self.sim.s.byte_map) / self.sim.s.link_bytes_per_s
-        )
+        copying_s = 0.0
+        if self.sim.cache is not None:
+            prefetching = frozenset().union(*(round_of(q).projected for q in batch))
+            resident = self.sim.cache.resident()
+            copying_s = union_bytes(prefetching - resident, self.sim.s.byte_map) / self.sim.s.link_bytes_per_s
         drafting_since = max(self._ended_at, *(q.drafted_at for q in waiting))
         drafts_due = drafting_since + coming * self.sim.planner.draft_s
-        return max(0.0, copying_s, drafts_due - self.sim.now)
+        wait_s = max(0.0, copying_s, drafts_due - self.sim.now)
+        if self.sim.cache is None and wait_s >= self.sim.planner.verify_fixed_s:
+            return 0.0  # resident: waiting would cost more than the launch it saves
+        return wait_s
 
     def _tick_during(self, batch: list[SimRequest]) -> None:
         """While `batch` runs: one tick for the next batch, as soon as demands wait and it is gathered."""
