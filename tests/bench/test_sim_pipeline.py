@@ -93,16 +93,21 @@ ONE_PER_TICK = {
 }
 
 
-@pytest.mark.parametrize("link_s, compute_s", [(0.004, 0.010), (0.010, 0.004), (0.006, 0.006)])
-def test_alternating_verifies_hide_the_link_behind_compute(link_s, compute_s):
-    rounds, tokens = 6, 7  # tau = 1: one token per round after the prefill's
-    setup = _setup(
+def _one_per_tick(link_s: float, compute_s: float) -> SimSetup:
+    """Fixed DFlash, one sequence per verify, one expert of `link_s` copy and `compute_s` compute."""
+    return _setup(
         "dflash-2d",
         Costs(verify_experts=compute_s),
         RoundRouting(),
         link_bytes_per_s=EXPERT_BYTES / link_s,
         budgets=ONE_PER_TICK,
     )
+
+
+@pytest.mark.parametrize("link_s, compute_s", [(0.004, 0.010), (0.010, 0.004), (0.006, 0.006)])
+def test_alternating_verifies_hide_the_link_behind_compute(link_s, compute_s):
+    rounds, tokens = 6, 7  # tau = 1: one token per round after the prefill's
+    setup = _one_per_tick(link_s, compute_s)
     result = simulate_closed_loop(setup, [4, 4], concurrency=2, requests_per_client=1, max_tokens=tokens)
     assert result.tokens == 2 * tokens and result.tau == 1.0
     total_link, total_compute = 2 * rounds * link_s, 2 * rounds * compute_s
@@ -113,13 +118,7 @@ def test_alternating_verifies_hide_the_link_behind_compute(link_s, compute_s):
 @pytest.mark.parametrize("link_s, compute_s", [(0.004, 0.010), (0.010, 0.004)])
 def test_one_sequence_waits_for_its_own_copies(link_s, compute_s):
     rounds = 6
-    setup = _setup(
-        "dflash-2d",
-        Costs(verify_experts=compute_s),
-        RoundRouting(),
-        link_bytes_per_s=EXPERT_BYTES / link_s,
-        budgets=ONE_PER_TICK,
-    )
+    setup = _one_per_tick(link_s, compute_s)
     result = simulate_closed_loop(setup, [4], concurrency=1, requests_per_client=1, max_tokens=rounds + 1)
     assert result.wall_s == pytest.approx(rounds * (link_s + compute_s))
 

@@ -20,6 +20,7 @@ import attrs
 from pdflash.offload.cache_stats import Counters
 from pdflash.offload.eviction import make_policy
 from pdflash.offload.prefetch import Priority
+from pdflash.offload.slot_table import drop_claims
 from pdflash.target.experts import ExpertKey
 
 
@@ -95,12 +96,7 @@ class SimCache:
         """Give back one prefetch's claims (per-layer claims ended when the forward reached them)."""
         if self.claims_per_layer:
             return
-        for key in claim:
-            left = self.claims.get(key, 0) - 1
-            if left > 0:
-                self.claims[key] = left
-            else:
-                self.claims.pop(key, None)
+        drop_claims(self.claims, claim)
         self._lane_victims = None
 
     # -- a forward's layer --

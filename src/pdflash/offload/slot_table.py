@@ -74,12 +74,7 @@ class SlotTable:
             self.claims[key] = self.claims.get(key, 0) + 1
 
     def unclaim(self, keys: Iterable[ExpertKey]) -> None:
-        for key in keys:
-            left = self.claims.get(key, 0) - 1
-            if left > 0:
-                self.claims[key] = left
-            else:
-                self.claims.pop(key, None)
+        drop_claims(self.claims, keys)
 
     def add(self, entry: Entry) -> None:
         bit = self._bit(entry.key)
@@ -114,3 +109,13 @@ class SlotTable:
         if not (0 <= expert < self.experts_per_layer and layer >= 0):
             raise ValueError(f"expert {key!r} is not a (layer >= 0, expert < {self.experts_per_layer}) pair")
         return 1 << (layer * self.experts_per_layer + expert)
+
+
+def drop_claims(claims: dict[ExpertKey, int], keys: Iterable[ExpertKey]) -> None:
+    """One claim fewer on each of `keys` (key -> unreleased claims); a key at none leaves `claims`."""
+    for key in keys:
+        left = claims.get(key, 0) - 1
+        if left > 0:
+            claims[key] = left
+        else:
+            claims.pop(key, None)
