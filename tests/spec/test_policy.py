@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -99,7 +100,7 @@ def test_estimates_start_at_the_prior_and_follow_observations():
     model = AcceptanceModel(4, AcceptancePrior(prior=0.6))
     seq = model.for_sequence()
     assert seq.estimate() == pytest.approx((0.6, 0.6, 0.6))
-    for _ in range(20):
+    for _ in range(60):
         seq.observe(4, 1)  # draft 1 accepted, draft 2 rejected, draft 3 never seen
     a1, a2, a3 = seq.estimate()
     assert a1 > 0.9 and a2 < 0.15
@@ -155,3 +156,57 @@ def test_the_global_prior_carries_what_other_sequences_saw():
     fresh = model.for_sequence()
     assert all(a > 0.9 for a in fresh.estimate())
     assert not math.isclose(fresh.estimate()[0], model.prior.prior)
+
+
+def _draws(model: AcceptanceModel, n: int) -> list[tuple[float, ...]]:
+    return [model.global_draw() for _ in range(n)]
+
+
+def test_posterior_draws_center_on_the_estimate_and_narrow_as_trials_accumulate():
+    """Thompson sampling: the policy decides on draws whose mean is the pooled estimate and whose
+    spread is what the observations leave uncertain."""
+    few, many = AcceptanceModel(4), AcceptanceModel(4)
+    for model, rounds in ((few, 4), (many, 400)):
+        for _ in range(rounds):
+            model.for_sequence().observe(4, 1)  # position 1 always accepted, position 2 never
+    for model in (few, many):
+        draws = _draws(model, 4000)
+        for k in range(3):
+            mean = sum(d[k] for d in draws) / len(draws)
+            assert mean == pytest.approx(model.global_estimate()[k], abs=0.02)
+
+    def spread(model: AcceptanceModel) -> float:
+        first = [d[0] for d in _draws(model, 4000)]
+        mean = sum(first) / len(first)
+        return math.sqrt(sum((x - mean) ** 2 for x in first) / len(first))
+
+    assert spread(few) > 3 * spread(many)
+    # one seed, the same draws: a simulation replays the engine's decisions
+    assert AcceptanceModel(4, seed=3).global_draw() == AcceptanceModel(4, seed=3).global_draw()
+    assert AcceptanceModel(4, seed=3).global_draw() != AcceptanceModel(4, seed=4).global_draw()
+
+
+def test_draws_probe_while_uncertain_and_stop_where_no_draw_can_pay():
+    """Link-bound at one sequence, a drafter accepting 0.6 never pays: once that is well observed no
+    draw makes a draft worth it, while fresh (the prior alone) some draws still probe. Resident,
+    where the same drafter pays, nearly every draw drafts."""
+    link_bound = RoundCosts(round_s=0.010, token_s=0.001, draft_s=0.005, link_bytes_per_s=10 * MB)
+    resident = RoundCosts(round_s=0.010, token_s=0.0005, draft_s=0.003, link_bytes_per_s=None)
+
+    def drafted_share(model: AcceptanceModel, costs: RoundCosts, fetch: tuple[int, ...]) -> float:
+        seq = model.for_sequence()
+        blocks = [
+            choose_block(PolicyInputs(acceptance=seq.draw(), prefix_fetch_bytes=fetch, costs=costs)).block
+            for _ in range(1000)
+        ]
+        return sum(b > 1 for b in blocks) / len(blocks)
+
+    per_token = tuple(b * MB // 5 for b in range(1, 9))  # 0.02 s of link per position
+    observed, rng = AcceptanceModel(8), random.Random(0)
+    for _ in range(300):  # each draft accepted with probability 0.6, given the ones before it were
+        accepted = next((k for k in range(7) if rng.random() >= 0.6), 7)
+        observed.for_sequence().observe(8, accepted)
+    assert all(abs(a - 0.6) < 0.12 for a in observed.global_estimate()), observed.global_estimate()
+    assert drafted_share(AcceptanceModel(8), link_bound, per_token) > 0.05  # fresh: it probes
+    assert drafted_share(observed, link_bound, per_token) < 0.01  # known not to pay: it stops
+    assert drafted_share(observed, resident, (0,) * 8) > 0.95

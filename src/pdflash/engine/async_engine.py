@@ -173,7 +173,7 @@ class AsyncEngine:
             draft=BatchLane(drafter or target, work.draft_rounds, name="draft", isolation=ROUND_ISOLATION),
             plain=BatchLane(target, work.draft_rounds, name="plain", isolation=ROUND_ISOLATION),
             pacer=VerifyPacer(
-                self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs, self.planner
+                self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs, self.planner, drafter
             ),
             busy=busy,
         )

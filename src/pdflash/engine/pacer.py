@@ -80,8 +80,9 @@ class VerifyPacer:
         derived: DerivedBudgets | None,
         seqs: Mapping[Any, Sequence],  # by request id
         planner: SpeculationPlanner,
+        drafter: Lane | None,  # the drafter's lane (None: no drafter)
     ) -> None:
-        self.scheduler, self.speculator, self.lane = scheduler, speculator, lane
+        self.scheduler, self.speculator, self.lane, self.drafter = scheduler, speculator, lane, drafter
         self._seqs = seqs  # the engine's live sequences, by request id
         self.provider, self.derived, self.planner = provider, derived, planner
         self.stats = PacerStats()
@@ -90,6 +91,8 @@ class VerifyPacer:
         self._running: list[Sequence] = []  # the batch on the lane now
         self._next: list[Sequence] = []  # admitted by a tick, prefetching, not yet launched
         self._ended_at = 0.0  # perf_counter s when the last verify ended (its sequences draft from then)
+        self._drafted_at_end = 0.0  # the drafter lane's busy seconds when it ended
+        self._last_ids: set[Any] = set()  # request ids of the last launch
 
     def changed(self) -> None:
         """A sequence registered (or withdrew) a demand: the pacer may tick."""
@@ -175,6 +178,9 @@ class VerifyPacer:
     async def _launch(self, batch: list[Sequence]) -> None:
         """Run `batch` as one verify; meanwhile admit (and prefetch) the next once demands wait."""
         self._running = batch
+        if any(s.request_id in self._last_ids for s in batch):  # a round-to-round gap: the policy prices it
+            self.planner.observe_idle(time.perf_counter() - self._ended_at - (self._drafted_s() - self._drafted_at_end))
+        self._last_ids = {s.request_id for s in batch}
         self.stats.launches += 1
         self.verify_batches[len(batch)] = self.verify_batches.get(len(batch), 0) + 1
         union = UnionOf(s.draft.expert_union for s in batch if s.draft is not None)  # the scheduler knows their masks
@@ -204,6 +210,7 @@ class VerifyPacer:
             outcomes = [error] * len(batch)
         finally:
             self._ended_at = time.perf_counter()
+            self._drafted_at_end = self._drafted_s()
             elapsed = self._ended_at - started
             done.set()
             self._changed.set()
@@ -238,6 +245,9 @@ class VerifyPacer:
             except Exception as error:
                 outcomes.append(error)
         return outcomes
+
+    def _drafted_s(self) -> float:
+        return self.drafter.busy_s if self.drafter is not None else 0.0
 
     def _exposed_fetch_s(self) -> float:
         """Seconds forwards have waited on expert copies so far (0 without offloading, or unreported)."""

@@ -4,7 +4,7 @@ Owns the estimates the pure policy (pdflash.spec.policy) is fed: each sequence's
 (pdflash.spec.acceptance), the bytes each further block position adds on the link (measured by
 every verify: RoundTrace.position_fetch_bytes), and what a round costs in compute (a verify's
 fixed and per-token seconds, fitted online from batched verifies; the drafter's seconds per
-sequence). `speculation="fixed"` always drafts the configured block; without a drafter every
+sequence; the seconds the engine idles between rounds). `speculation="fixed"` always drafts the configured block; without a drafter every
 round is one token. Must not touch scheduling or lifecycles: the engine asks `plan` before each
 draft and reports each verify and draft.
 """
@@ -18,35 +18,54 @@ from pdflash.spec.policy import SPECULATION, PolicyInputs, RoundCosts, choose_bl
 from pdflash.spec.session import RoundTrace
 
 EMA_WEIGHT = 0.1  # weight of the newest observation in the running estimates
-FIT_DECAY = 0.95  # per verify: how fast the compute fit forgets
+SIZE_WINDOW = 20  # verifies of one size behind its running mean (a plain mean until then)
+SIZE_DECAY = 0.99  # per verify: how fast a size not seen again loses weight in the fit
+SIZE_FORGOTTEN = 0.01  # a size's weight below which the fit drops it
 TOKEN_COST_PRIOR = 0.05  # seconds per token / fixed seconds, assumed until token counts vary
 
 
 @attrs.define
 class _ComputeFit:
-    """verify compute seconds ≈ fixed + per_token × tokens, by decayed least squares."""
+    """verify compute seconds ≈ fixed + per_token × tokens: a weighted line through each verify
+    size's running mean of seconds, each size weighted by its decayed count.
 
-    w: float = 0.0
-    x: float = 0.0  # Σ w·tokens
-    y: float = 0.0  # Σ w·seconds
-    xx: float = 0.0
-    xy: float = 0.0
+    Sizes keep their own means, so the hundreds of one-token verifies a mostly plain-decoding
+    engine runs between two drafted blocks do not wash out what the blocks were measured to
+    cost (one decayed least-squares over the verifies fitted its slope to the last one or two
+    blocks it still remembered, at times 1.8x the true per-token cost). The first verify of
+    each size is a warm-up (buffers grown, a compiled step loaded: 3.6x a steady one, measured)
+    and is left out: kept, it priced that size out for good once the policy stopped choosing it."""
+
+    means_s: dict[int, float] = attrs.Factory(dict)  # tokens -> running mean seconds
+    weights: dict[int, float] = attrs.Factory(dict)  # tokens -> decayed count of verifies
+    warmed: set[int] = attrs.Factory(set)  # sizes verified at least once
 
     def observe(self, tokens: int, seconds: float) -> None:
-        self.w, self.x, self.y = FIT_DECAY * self.w + 1, FIT_DECAY * self.x + tokens, FIT_DECAY * self.y + seconds
-        self.xx = FIT_DECAY * self.xx + tokens * tokens
-        self.xy = FIT_DECAY * self.xy + tokens * seconds
+        if tokens not in self.warmed:
+            self.warmed.add(tokens)
+            return
+        for size in list(self.weights):
+            self.weights[size] *= SIZE_DECAY
+            if self.weights[size] < SIZE_FORGOTTEN:
+                del self.weights[size], self.means_s[size]
+        n = self.weights.get(tokens, 0.0) + 1.0
+        self.weights[tokens] = n
+        old = self.means_s.get(tokens, seconds)
+        self.means_s[tokens] = old + (seconds - old) / min(n, SIZE_WINDOW)
 
     def solve(self) -> tuple[float, float] | None:
         """(fixed_s, per_token_s), or None before any verify."""
-        if self.w == 0:
+        if not self.weights:
             return None
-        mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        if var < 0.25:  # all verifies about one size: split by the prior ratio
+        w = sum(self.weights.values())
+        mx = sum(n * size for size, n in self.weights.items()) / w
+        my = sum(n * self.means_s[size] for size, n in self.weights.items()) / w
+        if len(self.weights) < 2:  # one verify size: split by the prior ratio
             fixed = my / (1 + TOKEN_COST_PRIOR * mx)
             return fixed, TOKEN_COST_PRIOR * fixed
-        slope = max(0.0, (self.xy / self.w - mx * my) / var)
+        var = sum(n * (size - mx) ** 2 for size, n in self.weights.items()) / w
+        cov = sum(n * (size - mx) * (self.means_s[size] - my) for size, n in self.weights.items()) / w
+        slope = max(0.0, cov / var)
         return max(0.0, my - slope * mx), slope
 
 
@@ -59,6 +78,7 @@ class SpeculationPlanner:
         self._fit = _ComputeFit()
         self._draft_s: float | None = None  # drafter seconds per drafted sequence
         self._batch: float | None = None  # sequences per batched verify
+        self._idle_s: float | None = None  # EMA: seconds the verify lane waits between rounds, drafting aside
         self._position_bytes: list[float | None] = [None] * max_block  # [B] EMA bytes each position adds
         self._further_bytes: float | None = None  # EMA: what one more token would add (unmeasured positions)
         self.decisions: dict[int, int] = {}  # block length chosen -> rounds
@@ -93,16 +113,17 @@ class SpeculationPlanner:
         """
         if not self.adaptive:
             block = self.max_block
-        elif (inputs := self.inputs(acceptance)) is not None:
+        elif (inputs := self.inputs(acceptance, draw=True)) is not None:
             block = choose_block(inputs).block
         else:
             block = self.max_block if self.link_bytes_per_s is None else 1
         self.decisions[block] = self.decisions.get(block, 0) + 1
         return block
 
-    def inputs(self, acceptance: SequenceAcceptance) -> PolicyInputs | None:
+    def inputs(self, acceptance: SequenceAcceptance, *, draw: bool = False) -> PolicyInputs | None:
         """What the policy is asked, or None until a verify has been measured (a drafter not yet
-        measured costs nothing: the first draft the policy finds worth it measures it)."""
+        measured costs nothing: the first draft the policy finds worth it measures it). `draw`:
+        the acceptance is a posterior draw (what `plan` decides on), else the estimate's mean."""
         fit = self._fit.solve()
         if fit is None or self._position_bytes[0] is None:
             return None
@@ -118,10 +139,10 @@ class SpeculationPlanner:
             total += measured if measured is not None else further
             prefix.append(int(total))
         return PolicyInputs(
-            acceptance=acceptance.estimate(),
+            acceptance=acceptance.draw() if draw else acceptance.estimate(),
             prefix_fetch_bytes=tuple(prefix),
             costs=RoundCosts(
-                round_s=fixed_s / max(1.0, self._batch or 1.0),
+                round_s=(fixed_s + (self._idle_s or 0.0)) / max(1.0, self._batch or 1.0),
                 token_s=token_s,
                 draft_s=self.draft_s,
                 link_bytes_per_s=self.link_bytes_per_s,
@@ -138,6 +159,15 @@ class SpeculationPlanner:
             self._further_bytes = _ema(self._further_bytes, float(trace.further_token_bytes))
             for k, nbytes in enumerate(trace.position_fetch_bytes[: self.max_block]):
                 self._position_bytes[k] = _ema(self._position_bytes[k], float(nbytes))
+
+    def observe_idle(self, seconds: float) -> None:
+        """The verify lane waited `seconds` between a verify and the next launch of one of its
+        sequences, beyond what drafting took: the engine's hand-offs between a round's stages
+        (streaming, planning, the tick, waking the lanes) and a plain round's projection. At low
+        concurrency every round pays them once, whatever its block, as it pays a verify's fixed
+        seconds; at high concurrency the next batch is admitted while one runs and they vanish.
+        Priced with the fixed seconds, they make plain decoding as dear as it is."""
+        self._idle_s = _ema(self._idle_s, max(0.0, seconds))
 
     def observe_draft(self, sequences: int, seconds: float) -> None:
         """The drafter lane drafted `sequences` blocks in `seconds`."""
