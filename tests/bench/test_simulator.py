@@ -143,6 +143,19 @@ def test_zipf_routing_draws_top_k_distinct_experts_skewed_by_popularity():
     assert flat_counts[-1] < 1.3 * flat_counts[0]  # s = 0 is uniform
 
 
+def test_zipf_routing_replays_the_recorded_acceptance_in_order_per_sequence():
+    """Acceptance is a property of the sequence: each replays the recording from its own offset."""
+    recorded = [1, 2, 3, 4, 5, 6, 7, 8]
+    routing = ZipfRouting(layers=1, experts=32, top_k=4, exponent=0.8, locality=0.0, acceptance=recorded, seed=0)
+    runs = {seq: [routing.round(seq, i, 8, 0).acceptance_length for i in range(10)] for seq in range(6)}
+    for lengths in runs.values():
+        at = recorded.index(lengths[0])
+        assert lengths == [recorded[(at + i) % len(recorded)] for i in range(10)]
+    assert len({lengths[0] for lengths in runs.values()}) > 1  # sequences start at different offsets
+    clipped = routing.round(0, 10, 2, 0)  # a short block commits at most its tokens
+    assert clipped.acceptance_length <= 2
+
+
 def test_bad_configs_name_the_value():
     with pytest.raises(ValueError, match=r"'b9' is not a configuration; valid: ar \(B0\)"):
         parse_configs("ar,b9")

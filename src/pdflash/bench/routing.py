@@ -128,7 +128,11 @@ class ZipfRouting:
     """Per-layer Zipf popularity (exponent s, a seeded random expert order per layer); each
     token keeps the previous token's experts at a layer with probability `locality`, else
     draws top-k without replacement by popularity. Projection is taken as exact. Acceptance
-    lengths are drawn from `acceptance` (a recorded distribution). Deterministic per (seed, sequence)."""
+    lengths replay `acceptance` (recorded rounds, in order) from a seeded offset per sequence, one
+    round after another: acceptance is a property of the sequence (on the bundled pair consecutive
+    rounds' lengths correlate 0.63 in the recording, 0.77 over 128-token requests), which i.i.d.
+    draws would erase, and with it what a per-sequence estimate can learn. Deterministic per
+    (seed, sequence)."""
 
     def __init__(
         self,
@@ -155,6 +159,7 @@ class ZipfRouting:
         np.put_along_axis(self.log_p, order, np.log(weights / weights.sum()), axis=1)
         self.description = f"Zipf routing s={exponent:g}, locality {locality:g}, seed {seed}"
         self._state: dict[int, tuple[np.random.Generator, np.ndarray | None]] = {}
+        self._next_round: dict[int, int] = {}  # sequence -> index of its next recorded round
 
     def _draw(self, seq: int, n: int) -> np.ndarray:
         """[n, L, k] expert ids of the sequence's next n tokens."""
@@ -181,7 +186,9 @@ class ZipfRouting:
         positions = tuple(self._union(ids[t : t + 1]) for t in range(tokens))
         union = frozenset().union(*positions)
         rng = self._state[seq][0]
-        accepted = int(self.acceptance[rng.integers(len(self.acceptance))])
+        at = self._next_round.get(seq, int(rng.integers(len(self.acceptance))))
+        self._next_round[seq] = (at + 1) % len(self.acceptance)
+        accepted = int(self.acceptance[at])
         return Round(
             tokens=tokens, acceptance_length=min(tokens, accepted), actual=union, projected=union, positions=positions
         )
