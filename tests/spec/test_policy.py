@@ -135,7 +135,7 @@ def test_a_run_of_rejections_backs_off_and_recovery_follows_acceptance():
         seq.observe(block(), 0)
     assert block() == 1
     chosen = []
-    for _ in range(2000):  # plain decoding sees nothing; the estimate drifts back to the prior
+    for _ in range(2000):  # plain decoding sees nothing; the sequence drifts back to the pooled estimate
         b = block()
         chosen.append(b)
         if b > 1:

@@ -2,10 +2,11 @@
 
 Owns what the speculation policy believes about a_k, the chance that draft k is accepted
 given drafts 1..k-1 were. A verify of b tokens that accepted n drafts is one trial at each
-position k ≤ min(n + 1, b - 1) and a success at each k ≤ n. Counts decay by `decay` per
-round, observed or not, so a sequence that stopped speculating drifts back to the global
-estimate (and that, between observations, back to `prior`): after a run of rejections the
-policy backs off, and it probes again later, so it recovers when acceptance returns.
+position k ≤ min(n + 1, b - 1) and a success at each k ≤ n. A sequence's counts decay per
+round, observed or not, so a sequence that stopped speculating drifts back to the pooled
+estimate: after a run of rejections the policy backs off, and it probes again later, so it
+recovers when acceptance returns. The pooled counts decay per drafted round (they forget as
+they learn): with nobody drafting, the estimate keeps what it knew.
 
 The policy decides on a draw (`SequenceAcceptance.draw`), not on the mean: Thompson sampling
 over the pooled estimate's posterior. While few rounds have drafted, draws spread and the
@@ -31,7 +32,7 @@ class AcceptancePrior:
     prior_weight: float = 8.0  # pseudo-trials behind `prior` in the global estimate
     shrink_weight: float = 3.0  # pseudo-trials of the global estimate behind each sequence's
     sequence_decay: float = 0.8  # per round: a sequence's counts fade within a few rounds
-    global_decay: float = 0.995  # per round of any sequence: a probe now and then, not every few rounds
+    global_decay: float = 0.995  # per drafted round of any sequence: the last ~200 drafted rounds
 
     def __attrs_post_init__(self) -> None:
         if not 0.0 <= self.prior <= 1.0:
@@ -105,8 +106,8 @@ class AcceptanceModel:
         return SequenceAcceptance(self)
 
     def _observe(self, block: int, accepted_drafts: int) -> None:
-        self._global.decay(self.prior.global_decay)
-        if block >= 2:
+        if block >= 2:  # it forgets as it learns: with nobody drafting, it keeps what it knew
+            self._global.decay(self.prior.global_decay)
             self._global.observe(block, accepted_drafts)
 
 
