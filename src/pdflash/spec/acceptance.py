@@ -29,7 +29,7 @@ _TINY = 1e-9  # a Beta parameter's floor (a position whose every trial succeeded
 @attrs.frozen(kw_only=True)
 class AcceptancePrior:
     prior: float = 0.6  # a_k believed before anything is observed
-    prior_weight: float = 8.0  # pseudo-trials behind `prior` in the global estimate
+    prior_weight: float = 16.0  # pseudo-trials behind `prior` in the global estimate
     shrink_weight: float = 3.0  # pseudo-trials of the global estimate behind each sequence's
     sequence_decay: float = 0.8  # per round: a sequence's counts fade within a few rounds
     global_decay: float = 0.995  # per drafted round of any sequence: the last ~200 drafted rounds
