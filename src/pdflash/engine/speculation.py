@@ -2,11 +2,12 @@
 
 Owns the estimates the pure policy (pdflash.spec.policy) is fed: each sequence's acceptance
 (pdflash.spec.acceptance), the bytes each further block position adds on the link (measured by
-every verify: RoundTrace.position_fetch_bytes), and what a round costs in compute (a verify's
+every verify: RoundTrace.position_fetch_bytes), and what a round costs in time (a verify's
 fixed and per-token seconds, fitted online from batched verifies; the drafter's seconds per
-sequence; the seconds the engine idles between rounds). `speculation="fixed"` always drafts the configured block; without a drafter every
-round is one token. Must not touch scheduling or lifecycles: the engine asks `plan` before each
-draft and reports each verify and draft.
+sequence; the seconds the verify lane waits between rounds). `speculation="fixed"` always
+drafts the configured block; without a drafter every round is one token. Must not touch
+scheduling or lifecycles: the engine asks `plan` before each draft and reports each verify,
+draft and launch gap.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class _ComputeFit:
     Sizes keep their own means, so the hundreds of one-token verifies a mostly plain-decoding
     engine runs between two drafted blocks do not wash out what the blocks were measured to
     cost (one decayed least-squares over the verifies fitted its slope to the last one or two
-    blocks it still remembered, at times 1.8x the true per-token cost). The first verify of
+    blocks it still remembered: 1.4-4 ms a token where 0.7 was true). The first verify of
     each size is a warm-up (buffers grown, a compiled step loaded: 3.6x a steady one, measured)
     and is left out: kept, it priced that size out for good once the policy stopped choosing it."""
 
