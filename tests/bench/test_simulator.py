@@ -198,3 +198,40 @@ def test_simulate_json_contract(capsys):
 def test_bad_simulate_flags_exit_2_naming_the_value(capsys, argv, named):
     assert cli.main(["simulate", "--configs", "ar", "--concurrency", "1", *argv]) == 2
     assert named in capsys.readouterr().err
+
+
+@attrs.frozen
+class TwoPaces:
+    """A routing double: fresh experts every round; routes 0 and 1 commit 3 tokens a round, routes
+    2 and 3 commit 2, so client 0 (routes 0, 1) finishes first and client 1 (routes 2, 3) later."""
+
+    description: str = "two paces"
+
+    def prefill_union(self, seq, prompt_tokens):
+        return frozenset()
+
+    def round(self, seq, index, tokens, start):
+        return Round(
+            tokens=tokens,
+            acceptance_length=min(tokens, 3 if seq < 2 else 2),
+            actual=frozenset((layer, 1 + index % (EXPERTS - 1)) for layer in range(LAYERS)),
+            projected=frozenset(),
+        )
+
+
+def test_a_prompt_waits_for_the_sequence_about_to_leave_and_is_prefilled_with_its_successor(monkeypatch):
+    # a prefill (0.2 s) costs the same whatever its prompts (a link-bound one fetches every
+    # expert); a round about 13 ms. Client 0's first request ends ~6 rounds (0.08 s) before
+    # client 1's: its successor waits for client 1's, and the two are prefilled as one
+    def point():
+        setup = _setup("dflash-token", ConstantCosts(prefill=0.2), TwoPaces())
+        return simulate_closed_loop(setup, [16] * 4, concurrency=2, requests_per_client=2, max_tokens=40)
+
+    held = point()
+    monkeypatch.setattr("pdflash.bench.simulator.prefill_waits", lambda **_: False)
+    alone = point()
+    assert held.tokens == alone.tokens == 4 * 40
+    assert (held.extra["prefill_batches"], alone.extra["prefill_batches"]) == (2, 3)
+    # the held prompt's seat idled less than the lone prefill stalled every seat
+    assert held.wall_s < alone.wall_s
+    assert held.ttft_p99_ms > alone.ttft_p99_ms

@@ -234,3 +234,52 @@ async def test_a_bug_around_one_batched_verify_fails_that_batch_only(make_engine
         stats = await drained(engine)
     assert ids == reference(PROMPTS[1])
     assert (stats.failed, stats.finished) == (1, 1)
+
+
+@pytest.mark.parametrize("link_gbps", [0.05, None])
+@pytest.mark.asyncio
+async def test_a_prompt_waits_for_a_sequence_about_to_reach_its_limit_only_behind_a_link(
+    loaded, drafter, offloaded, reference, link_gbps
+):
+    """A request arriving while the seated one is expected to reach its length limit sooner than
+    a prefill takes (a prefill slowed to 0.3 s, 4 tokens left at tens of ms each): with a link it
+    waits for that exit, and the seated sequence keeps verifying meanwhile; resident, it is
+    prefilled at once (and the seated one waits behind its prefill)."""
+    target = offloaded(expert_cache_fraction=0.25, link_gbps=link_gbps)
+    spec = Speculator(target.model, drafter, expert_nbytes=target.expert_nbytes, resident=target.model.experts.resident)
+    prefills: list[tuple[float, float]] = []
+    verifies: list[tuple[float, float]] = []
+    spec.begin_sessions = slowed(spec.begin_sessions, 0.3, prefills)
+    spec.verify_rounds = slowed(spec.verify_rounds, 0.0, verifies)
+    provider = target.model.experts if link_gbps is not None else None
+    engine = AsyncEngine(spec, loaded.tokenizer, EngineConfig(), provider=provider)
+    short = SamplingParams(max_tokens=6)
+    results, near_limit, arrived = {}, anyio.Event(), []
+
+    async def first():
+        ids = []
+        async for out in engine.generate(PROMPTS[0], short):
+            ids += out.token_ids
+            if len(ids) >= 2:
+                near_limit.set()
+        results["first"] = ids
+
+    async def second():
+        await near_limit.wait()
+        arrived.append(time.perf_counter())
+        results["second"], _, _ = await collect(engine.generate(PROMPTS[1], short))
+
+    async with engine:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            tg.start_soon(second)
+        stats = await drained(engine)
+    assert results == {"first": reference(PROMPTS[0], short), "second": reference(PROMPTS[1], short)}
+    assert len(prefills) == 2
+    meanwhile = [v for v in verifies if arrived[0] < v[0] < prefills[1][0]]
+    if link_gbps is not None:
+        assert stats.prefills_held == 1
+        assert meanwhile, "the seated sequence verified while the new prompt waited"
+    else:
+        assert stats.prefills_held == 0
+        assert not meanwhile

@@ -29,6 +29,7 @@ from pdflash.bench.sim_events import Clock, Job, SimBatchLane, SimLane
 from pdflash.bench.sim_pacer import SimPacer
 from pdflash.engine.config import EngineConfig
 from pdflash.engine.pacer import DerivedBudgets
+from pdflash.engine.seating import prefill_waits, seconds_to_limit
 from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.engine.ticket import Ticket
 from pdflash.spec.acceptance import SequenceAcceptance
@@ -147,6 +148,7 @@ class Simulator:
         self.done: list[SimRequest] = []
         self.on_finish = lambda q: None  # the clients' hook: a finished request may send the next
         self.pacer = SimPacer(self)
+        self.prefill_s: float | None = None  # what the last batched prefill took (RoundWork.prefill_s)
 
     @property
     def now(self) -> float:
@@ -159,9 +161,22 @@ class Simulator:
 
     def _seat(self) -> None:
         while self.waiting and len(self.seated) < self.s.max_num_seqs:
+            if self._prefill_waits():  # AsyncEngine._seat_waiting: the next exit offers the seats again
+                return
             q = self.waiting.pop(0)
             self.seated[q.rid] = q
             self.prefill.submit(q)
+
+    def _prefill_waits(self) -> bool:
+        return prefill_waits(
+            link=self.cache is not None,
+            prefill_s=self.prefill_s,
+            to_limit_s=(
+                seconds_to_limit(q.max_tokens - q.emitted, q.emitted, self.now - q.times[0])
+                for q in self.seated.values()
+                if q.acceptance is not None  # in rounds (prefilled)
+            ),
+        )
 
     def _exit(self, q: SimRequest) -> None:
         self.done.append(q)
@@ -193,10 +208,12 @@ class Simulator:
             self.cache.unpin(held)
 
     def _prefill_job(self, batch: list[SimRequest]) -> Job:
+        started = self.now
         tokens = sum(q.prompt_tokens for q in batch)
         unions = [self.s.routing.prefill_union(q.route, q.prompt_tokens) for q in batch]
         experts = len(frozenset().union(*unions))
         yield from self.forward(unions, *self.s.costs.prefill_s(tokens, len(batch), experts, offloaded=self.offloaded))
+        self.prefill_s = self.now - started
 
     def _draft_job(self, batch: list[SimRequest]) -> Job:
         """The drafter lane: drafter forward and route projection of blocks of 2 or more."""

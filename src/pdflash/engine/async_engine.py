@@ -35,6 +35,7 @@ from pdflash.engine.pacer import DerivedBudgets, VerifyPacer
 from pdflash.engine.requests import prompt_token_ids
 from pdflash.engine.requests import sampling_params as request_sampling_params
 from pdflash.engine.round_work import ROUND_ISOLATION, RoundWork
+from pdflash.engine.seating import prefill_waits, seconds_to_limit
 from pdflash.engine.sequence import Sequence, SequenceState
 from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.engine.stats import EngineStats, Totals, engine_stats
@@ -392,13 +393,32 @@ class AsyncEngine:
             await self._seats_changed.wait()
 
     def _seat_waiting(self) -> None:
-        """Start the coroutine of each waiting request while seats remain (arrival order)."""
+        """Start the coroutine of each waiting request while seats remain (arrival order), unless a
+        seated sequence about to reach its length limit will bring a prompt to prefill with
+        (pdflash.engine.seating): its exit changes the seats, and they are offered again."""
         running = self._running
         while running is not None and self._waiting and len(self._seqs) - len(self._waiting) < self.config.max_num_seqs:
+            if self._prefill_waits():
+                if not self._waiting[0].prefill_held:
+                    self._waiting[0].prefill_held = True
+                    self._totals.prefills_held += 1
+                return
             seq = self._waiting.popleft()
             seq.schedule()
             seq.scope = anyio.CancelScope()
             running.task_group.start_soon(self._serve, seq, name=f"pdflash-seq-{seq.request_id}")
+
+    def _prefill_waits(self) -> bool:
+        now = time.perf_counter()
+        return prefill_waits(
+            link=self.planner.link_bytes_per_s is not None,
+            prefill_s=self._work.prefill_s,
+            to_limit_s=(
+                seconds_to_limit(s.params.max_tokens - s.streamed, s.streamed, now - s.first_token_at)
+                for s in self._seqs.values()
+                if s.state in (S.DRAFT, S.VERIFY) and s.first_token_at is not None
+            ),
+        )
 
     def _abort(self, seq: Sequence) -> None:
         waiting = seq.state is S.WAITING

@@ -20,9 +20,13 @@ from pdflash.spec.speculator import Speculator
 class RoundWork:
     def __init__(self, speculator: Speculator, planner: SpeculationPlanner) -> None:
         self.speculator, self.planner = speculator, planner
+        self.prefill_s: float | None = None  # what the last batched prefill took (None before one)
 
     def begin_sessions(self, batch: list[Sequence]) -> list[SpecSession]:  # on the target lane
-        return self.speculator.begin_sessions([(s.prompt_ids, s.params) for s in batch], [s.text for s in batch])
+        started = time.perf_counter()
+        sessions = self.speculator.begin_sessions([(s.prompt_ids, s.params) for s in batch], [s.text for s in batch])
+        self.prefill_s = time.perf_counter() - started
+        return sessions
 
     def plan(self, seq: Sequence) -> int:
         """Tokens its next verify holds: the policy's choice (pdflash.engine.speculation).

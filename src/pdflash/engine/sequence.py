@@ -81,6 +81,7 @@ class Sequence:
     expert_bytes: int = 0  # Σ projected union bytes over its verifies
     fetch_bytes: int = 0  # Σ non-resident part of those
     first_token_at: float | None = None
+    prefill_held: bool = False  # its seat waited for a sequence about to leave (pdflash.engine.seating)
     drafted_at: float = 0.0  # perf_counter seconds when its pending demand was registered
     admission_wait_s: float = 0.0
     ticket: Ticket | None = None  # admission ticket of its pending verify demand

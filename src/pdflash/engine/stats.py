@@ -30,6 +30,7 @@ class Totals:
     tokens: int = 0
     verify_rounds: int = 0
     verify_tokens: int = 0
+    prefills_held: int = 0  # times a free seat waited for a sequence about to leave (pdflash.engine.seating)
 
 
 @attrs.frozen(kw_only=True)
@@ -46,6 +47,7 @@ class EngineStats:
     failed: int
     generated_tokens: int  # tokens streamed, all requests
     verify_rounds: int  # per-sequence verify rounds
+    prefills_held: int  # requests whose prefill waited for a sequence about to leave (pdflash.engine.seating)
     scheduling: str  # "fixed" | "derived" | "token-only": how verify budgets were set
     ticks: int  # admission ticks run (at most one per verify launch while the lane is busy)
     in_flight_tick_share: float  # share of ticks charged against a non-empty in-flight union
@@ -85,6 +87,7 @@ def engine_stats(engine: AsyncEngine) -> EngineStats:
         failed=t.failed,
         generated_tokens=t.tokens,
         verify_rounds=t.verify_rounds,
+        prefills_held=t.prefills_held,
         scheduling=engine.scheduling,
         ticks=sched.ticks,
         in_flight_tick_share=pacer.ticks_in_flight / pacer.ticks if pacer and pacer.ticks else 0.0,
