@@ -3,11 +3,12 @@
 Owns the one seating decision beyond arrival order and free seats. With experts behind a link, a
 prompt's prefill routes its tokens through nearly every expert, so in a small cache it fetches
 about the same bytes whether it prefills one prompt or several, and meanwhile no seat verifies
-(the bundled pair's recorded routes at 25% cache, simulated: a lone prompt's prefill fetches
-8.3 MB, four together 9.9 MB, each about 20 decode tokens' bytes). A sequence reaching its length limit frees a seat
-whose next request then arrives alone. So while a seated sequence is expected to reach its
-limit sooner than a prefill takes, a waiting prompt waits for it: the two are prefilled together,
-and the link carries the experts once. Resident experts, or a link of unknown rate: never.
+(the bundled pair's recorded routes with 41% of its experts cached, simulated: a lone prompt's
+prefill fetches 8.3 MB, four together 9.9 MB, each about 20 decode tokens' bytes). A sequence
+reaching its length limit frees a seat whose next request then arrives alone. So while a seated
+sequence is expected to reach its limit sooner than a prefill takes, a waiting prompt waits for
+it: the two are prefilled together, and the link carries the experts once. Resident experts, or
+a link of unknown rate: never.
 Must not seat, prefill or measure: the engine (and the simulator) ask `prefill_waits`.
 """
 

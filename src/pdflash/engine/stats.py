@@ -30,7 +30,7 @@ class Totals:
     tokens: int = 0
     verify_rounds: int = 0
     verify_tokens: int = 0
-    prefills_held: int = 0  # times a free seat waited for a sequence about to leave (pdflash.engine.seating)
+    prefills_held: int = 0  # requests whose prefill waited for a sequence about to leave (pdflash.engine.seating)
 
 
 @attrs.frozen(kw_only=True)
