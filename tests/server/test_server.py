@@ -367,7 +367,8 @@ def test_closing_a_websocket_aborts_its_generations(server, http):
 
 def test_metrics_cover_requests_latency_acceptance_and_expert_traffic(client, http):
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=8)
-    http.post("/v1/completions", content=b"{")
+    malformed = http.post("/v1/completions", content=b"{", headers={"content-type": "application/json"})
+    assert malformed.status_code == 400  # without the content type it would be a 415
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     s = metric_samples(http)
@@ -388,6 +389,7 @@ def test_metrics_cover_requests_latency_acceptance_and_expert_traffic(client, ht
     assert sample(s, "pdflash_expert_link_bytes_per_second") == 16e9  # the emulated link's rate, priced by
     assert sample(s, "pdflash_expert_bytes_projected_total") > 0
     assert sample(s, "pdflash_live_sequences") == 0 and "pdflash_ws_connections" in s
+    assert sample(s, "pdflash_prefills_held_total") == 0  # one request at a time: no seat-mate to wait for
 
 
 # -- the CLI --------------------------------------------------------------------------------

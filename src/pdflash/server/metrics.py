@@ -116,6 +116,11 @@ class EngineCollector(Collector):
             outcomes.add_metric([outcome], getattr(s, outcome))
         yield outcomes
         yield CounterMetricFamily("pdflash_verify_rounds", "per-sequence verify rounds", value=s.verify_rounds)
+        yield CounterMetricFamily(
+            "pdflash_prefills_held",
+            "requests whose prefill waited for a seated sequence about to reach its length limit",
+            value=s.prefills_held,
+        )
         yield GaugeMetricFamily(
             "pdflash_mean_acceptance_length", "tokens per verify round since start", value=s.mean_acceptance_length
         )
