@@ -44,9 +44,11 @@ class ConstantCosts:
 @attrs.frozen
 class FreshExperts:
     """A routing double: round k routes expert k at every layer (never seen before: no hits),
-    nothing is projected (no prefetch), and every round commits `tau` tokens."""
+    nothing is projected (no prefetch), and every round commits `tau` tokens (`tau - 1` for the
+    routing sequences in `slow_routes`)."""
 
     tau: int
+    slow_routes: frozenset[int] = frozenset()
     description: str = "fresh experts"
 
     def prefill_union(self, seq, prompt_tokens):
@@ -55,7 +57,7 @@ class FreshExperts:
     def round(self, seq, index, tokens, start):
         return Round(
             tokens=tokens,
-            acceptance_length=min(tokens, self.tau),
+            acceptance_length=min(tokens, self.tau - (seq in self.slow_routes)),
             actual=frozenset((layer, index) for layer in range(LAYERS)),
             projected=frozenset(),
         )
@@ -200,31 +202,13 @@ def test_bad_simulate_flags_exit_2_naming_the_value(capsys, argv, named):
     assert named in capsys.readouterr().err
 
 
-@attrs.frozen
-class TwoPaces:
-    """A routing double: fresh experts every round; routes 0 and 1 commit 3 tokens a round, routes
-    2 and 3 commit 2, so client 0 (routes 0, 1) finishes first and client 1 (routes 2, 3) later."""
-
-    description: str = "two paces"
-
-    def prefill_union(self, seq, prompt_tokens):
-        return frozenset()
-
-    def round(self, seq, index, tokens, start):
-        return Round(
-            tokens=tokens,
-            acceptance_length=min(tokens, 3 if seq < 2 else 2),
-            actual=frozenset((layer, 1 + index % (EXPERTS - 1)) for layer in range(LAYERS)),
-            projected=frozenset(),
-        )
-
-
 def test_a_prompt_waits_for_the_sequence_about_to_leave_and_is_prefilled_with_its_successor(monkeypatch):
     # a prefill (0.2 s) costs the same whatever its prompts (a link-bound one fetches every
-    # expert); a round about 13 ms. Client 0's first request ends ~6 rounds (0.08 s) before
-    # client 1's: its successor waits for client 1's, and the two are prefilled as one
+    # expert); a round about 13 ms. Client 0 (routes 0, 1) commits 3 tokens a round, client 1
+    # (routes 2, 3) 2, so client 0's first request ends ~6 rounds (0.08 s) before client 1's:
+    # its successor waits for client 1's, and the two are prefilled as one
     def point():
-        setup = _setup("dflash-token", ConstantCosts(prefill=0.2), TwoPaces())
+        setup = _setup("dflash-token", ConstantCosts(prefill=0.2), FreshExperts(3, frozenset({2, 3})))
         return simulate_closed_loop(setup, [16] * 4, concurrency=2, requests_per_client=2, max_tokens=40)
 
     held = point()
