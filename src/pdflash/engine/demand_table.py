@@ -10,7 +10,7 @@ pdflash.engine.charging defines the charges. Knows nothing of tickets, budgets o
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Set
 
 import numpy as np
 import numpy.typing as npt
@@ -103,7 +103,3 @@ class DemandTable:
         self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
         self._counts = np.zeros((2 * n, self.words), dtype=np.uint8)
         self._free = list(range(2 * n - 1, n - 1, -1))
-
-
-def slots_of(slots: Sequence[int]) -> Slots:
-    return np.asarray(slots, dtype=np.intp)

@@ -47,10 +47,17 @@ def offer_order_columns(
     skipped = np.asarray(skipped_ticks, dtype=np.int64)
     if order == "arrival":
         return np.arange(len(skipped), dtype=np.intp)
-    alone = np.asarray(alone_bytes, dtype=np.float64)
-    per_byte = np.full(len(skipped), np.inf)  # expected tokens per byte: inf when it adds no bytes
-    np.divide(np.asarray(expected_tokens, dtype=np.float64), alone, out=per_byte, where=alone != 0)
     guarded = skipped >= barrier_after
     rest = np.flatnonzero(~guarded)
-    rest = rest[np.argsort(-per_byte[rest], kind="stable")]  # best first, ties in arrival order
+    rest = rest[by_yield(np.asarray(expected_tokens)[rest], np.asarray(alone_bytes)[rest])]
     return np.concatenate([np.flatnonzero(guarded), rest])
+
+
+def by_yield(expected_tokens: npt.ArrayLike, alone_bytes: npt.ArrayLike) -> npt.NDArray[np.intp]:
+    """Indices of the keys ([n] columns, in arrival order, none guarded) by expected tokens per
+    byte, best first, ties in arrival order: the yield order of a line the guard does not lead
+    (what a tick calls on the waiting demands after the guarded ones)."""
+    alone = np.asarray(alone_bytes, dtype=np.float64)
+    per_byte = np.full(len(alone), np.inf)  # expected tokens per byte: inf when it adds no bytes
+    np.divide(np.asarray(expected_tokens, dtype=np.float64), alone, out=per_byte, where=alone != 0)
+    return np.argsort(-per_byte, kind="stable")

@@ -13,17 +13,19 @@ cancel(seq_id), which is also what a cancelled waiter does by itself.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Set
 
 import attrs
+import numpy as np
 
 from pdflash.checks import require_int
 from pdflash.engine.admission import ZERO, TokensBytes, VerifyAdmission, first_fit_stream, require_fits_cap
 from pdflash.engine.charging import ChargeMode, ExpertMasks, MarginalCounter
-from pdflash.engine.demand_table import DemandTable, slots_of
-from pdflash.engine.ordering import offer_order, offer_order_columns
+from pdflash.engine.demand_table import DemandTable
+from pdflash.engine.ordering import by_yield, offer_order
 from pdflash.engine.ticket import Ticket
 from pdflash.measure import percentile
 from pdflash.target.experts import ExpertKey
@@ -69,6 +71,7 @@ class SchedulerStats:
 
 
 WAIT_SAMPLES = 4096
+_SLOT = operator.attrgetter("slot")  # an entry's DemandTable slot
 
 
 class VerifyScheduler:
@@ -291,11 +294,9 @@ class VerifyScheduler:
             yield entry
             yield from waiting
             return
-        rest = [entry, *waiting]
-        t, slots, skipped = self._table, slots_of([e.slot for e in rest]), [self._ticks - e.queued_tick for e in rest]
-        order = offer_order_columns(
-            t.expected[slots], t.alone_bytes(slots, covered), skipped, self.order, self.barrier_after
-        )
+        rest = [entry, *waiting]  # none guarded: ordered by yield alone
+        slots = np.fromiter(map(_SLOT, rest), dtype=np.intp, count=len(rest))
+        order = by_yield(self._table.expected[slots], self._table.alone_bytes(slots, covered))
         yield from map(rest.__getitem__, order.tolist())
 
     def _charger(self, covered: int | None, inside: Set[int] = frozenset()) -> Callable[[_Entry], int]:
