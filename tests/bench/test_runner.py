@@ -107,3 +107,58 @@ def test_an_adaptive_replay_routes_the_autoregressive_steps_its_block_covers(tmp
     write_traces(path, traces, {})
     with pytest.raises(ValueError, match="ran different prompts"):
         TraceRouting.load(path, "adaptive")
+
+
+def test_recorded_probabilities_replay_and_a_block_unions_its_positions(tmp_path):
+    """A scored projection replays with its probabilities; an adaptive block's are its positions'
+    1 − Π (1 − p), as the route head unions a block; a trace without them replays as certain."""
+    steps = [
+        {"tokens": 1, "acceptance_length": 1, "actual": [[0, 1]], "projected": [[0, 1]], "projected_probability": p}
+        for p in ([[0, 1, 0.5], [0, 2, 0.1]], [[0, 1, 0.5]], [[1, 3, 0.9]])
+    ]
+    spec = [{"tokens": 4, "acceptance_length": 2, "actual": [[0, 1]], "projected": [[0, 1]]}]
+    traces = {
+        kind: [{"prompt_ids": [1], "prompt_tokens": 1, "prefill_union": [[0, 1]], "rounds": rounds}]
+        for kind, rounds in (("speculative", spec), ("autoregressive", steps))
+    }
+    path = tmp_path / "routing.json"
+    write_traces(path, traces, {})
+    assert TraceRouting.load(path, "autoregressive").round(0, 0, 1, 0).projected_probability == {
+        (0, 1): 0.5,
+        (0, 2): 0.1,
+    }
+    assert TraceRouting.load(path, "speculative").round(0, 0, 4, 0).projection.probability is None
+    block = TraceRouting.load(path, "adaptive").round(seq=0, index=0, tokens=3, start=0).projected_probability
+    assert block == pytest.approx({(0, 1): 0.75, (0, 2): 0.1, (1, 3): 0.9})
+
+
+def test_the_recorder_keeps_a_scored_projection_s_probabilities(pair):
+    from pdflash.bench.routing import RoutingRecorder
+    from pdflash.spec.drafter import load_drafter
+    from pdflash.spec.projection import Projection
+    from pdflash.spec.projection.passes import LastUnionProjector
+    from pdflash.spec.speculator import Speculator
+    from pdflash.target.loader import load_target
+
+    class Scored(LastUnionProjector):  # the last union at 0.8 each, and one expert outside it at 0.25
+        def project(self, speculator, sessions, blocks):
+            scored = []
+            for p in super().project(speculator, sessions, blocks):
+                outside = next((0, e) for e in range(64) if (0, e) not in p.union)
+                scored.append(Projection(p.union, dict.fromkeys(p.union, 0.8) | {outside: 0.25}))
+            return scored
+
+    target, drafter = pair
+    loaded = load_target(target)
+    spec = Speculator(
+        loaded.model, load_drafter(drafter, loaded.model), expert_nbytes=loaded.expert_nbytes, projector=Scored()
+    )
+    recorder = RoutingRecorder(spec)
+    sessions = spec.begin_sessions([([5, 9, 11], SamplingParams(max_tokens=4))])
+    spec.draft_rounds(sessions)
+    spec.verify_rounds(sessions)
+    (recorded,) = recorder.sequences()[0]["rounds"]
+    chances = {(layer, e): p for layer, e, p in recorded["projected_probability"]}
+    projected = {tuple(key) for key in recorded["projected"]}
+    assert {key for key, p in chances.items() if p == 0.8} == projected
+    assert [p for key, p in chances.items() if key not in projected] == [0.25]

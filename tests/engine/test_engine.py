@@ -20,6 +20,8 @@ from pdflash.engine.sequence import LIFECYCLE, Sequence, SequenceState
 from pdflash.errors import EngineClosedError, EngineOverloadedError
 from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
+from pdflash.spec.projection import Projection
+from pdflash.spec.projection.passes import RouterPassProjector
 from pdflash.spec.speculator import Speculator
 from pdflash.target.generate import generate_autoregressive
 from pdflash.target.loader import load_target
@@ -153,6 +155,45 @@ async def test_offloaded_experts_with_route_ahead_prefetch_keep_the_output(tiny_
     assert [ids for ids, _, _ in results] == [reference(p) for p in PROMPTS]
     assert stats.prefetch_requests > 0 and stats.prefetch_errors == 0
     assert stats.provider["link"] == "emulated" and stats.provider["expert_bytes_fetched"] > 0
+
+
+class ScoredProjector:
+    """The router pass, with probabilities a route head would attach: its union's members at 0.9
+    but the first at 0.5, and one expert outside it at 0.3."""
+
+    name = "scored"
+
+    def project(self, speculator, sessions, blocks):
+        layers = speculator.target.config.moe_layer_ids
+        projections = []
+        for projection in RouterPassProjector().project(speculator, sessions, blocks):
+            members = sorted(projection.union)
+            outside = next((layer, e) for layer in layers for e in range(8) if (layer, e) not in projection.union)
+            chances = {key: 0.9 for key in members} | {members[0]: 0.5, outside: 0.3}
+            projections.append(Projection(projection.union, chances))
+        return projections
+
+
+@pytest.mark.asyncio
+async def test_a_launch_prefetches_only_the_experts_it_is_likely_to_route(loaded, drafter, reference):
+    provider = RecordingProvider()
+    speculator = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes, projector=ScoredProjector())
+    drafts = []
+    draft_rounds = speculator.draft_rounds
+
+    def recorded(sessions, sizes=None):
+        drafts.extend(result for result in draft_rounds(sessions, sizes))
+        return drafts[-len(sessions) :]
+
+    speculator.draft_rounds = recorded
+    async with AsyncEngine(speculator, loaded.tokenizer, EngineConfig(), provider=provider) as engine:
+        ids, _, _ = await collect(engine.generate(PROMPTS[0], GREEDY))  # alone: one verify per launch
+        stats = await drained(engine)
+    assert ids == reference(PROMPTS[0]) and stats.claimed_experts == 0
+    assert len(provider.prefetched) == len(drafts) > 1
+    for draft, prefetched in zip(drafts, provider.prefetched, strict=True):
+        members = sorted(draft.expert_union)  # the charged union keeps the coin flip
+        assert prefetched == frozenset(members[1:])
 
 
 # --- aborts and early exits ----------------------------------------------------------------

@@ -10,6 +10,7 @@ from pdflash.errors import CheckpointError
 from pdflash.sampling import SamplingParams
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.projection import (
+    PROBABILITY_FLOOR,
     PROJECTORS,
     ROUTE_HEAD_FILE,
     RouteHead,
@@ -93,7 +94,7 @@ def test_projectors_take_anchor_only_and_uneven_blocks(loaded, drafter, head_and
     spec = speculator(loaded, drafter, projector, block_size=4)
     sessions = spec.begin_sessions([(p, SamplingParams(max_tokens=8)) for p in PROMPTS[:3]])
     blocks = [torch.tensor([s.anchor]) for s in sessions[:2]] + [torch.tensor([sessions[2].anchor, 11, 12, 13])]
-    unions = projector.project(spec, sessions, blocks)
+    unions = [p.union for p in projector.project(spec, sessions, blocks)]
     assert len(unions) == 3
     moe = set(loaded.model.config.moe_layer_ids)
     for union in unions:
@@ -103,8 +104,14 @@ def test_projectors_take_anchor_only_and_uneven_blocks(loaded, drafter, head_and
         assert unions[0] == routed_union(out.routed, loaded.model.config.moe_layer_ids)
         assert len(unions[0]) == len(moe) * loaded.model.config.top_k
     if name == "route-head":  # the same tokens give the same union whatever else is in the batch
-        alone = projector.project(spec, sessions[:1], blocks[:1])
+        alone = [p.union for p in projector.project(spec, sessions[:1], blocks[:1])]
         assert alone[0] == unions[0]
+        for projection in projector.project(spec, sessions, blocks):  # scored: the union is its likely part
+            chances = projection.probability
+            assert chances is not None and min(chances.values()) >= PROBABILITY_FLOOR
+            assert projection.union == {key for key, p in chances.items() if p > head.threshold}
+    else:
+        assert all(p.probability is None for p in projector.project(spec, sessions, blocks))
 
 
 def test_trained_head_learns(head_and_data):

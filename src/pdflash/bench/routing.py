@@ -5,7 +5,8 @@ that fills it from a running engine's speculator, trace replay, and the Zipf mod
 (per-layer Zipf popularity with exponent s, per-sequence temporal locality rho). Every source
 answers the same two questions: which experts a sequence's prefill routes, and for its
 k-th round (a block of b tokens whose anchor is its token `start`) which experts each token
-routes, which were projected and how many tokens it commits. Must not touch caches, links
+routes, which were projected (and how likely, where the projector scored them) and how many
+tokens it commits. Must not touch caches, links
 or scheduling.
 """
 
@@ -13,14 +14,14 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import attrs
 import numpy as np
 
-from pdflash.spec.projection import routed_union
+from pdflash.spec.projection import Projection, routed_union
 from pdflash.target.experts import ExpertKey
 
 Union = frozenset[ExpertKey]
@@ -33,6 +34,12 @@ class Round:
     actual: Union  # experts the verify routed
     projected: Union  # experts the route projection predicted
     positions: tuple[Union, ...] = ()  # [tokens]: each token's routed experts (empty: not known)
+    # the projector's P(routed) per expert (pdflash.spec.projection.Projection); None: `projected` is certain
+    projected_probability: Mapping[ExpertKey, float] | None = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def projection(self) -> Projection:
+        return Projection(self.projected, self.projected_probability)
 
 
 class RoutingSource(Protocol):
@@ -46,6 +53,24 @@ class RoutingSource(Protocol):
 
 def _keys(pairs) -> Union:
     return frozenset((int(layer), int(expert)) for layer, expert in pairs)
+
+
+def _chances(recorded: dict) -> dict[ExpertKey, float] | None:
+    """A recorded round's projected probabilities ([layer, expert, p] triples), None if it has none."""
+    triples = recorded.get("projected_probability")
+    return None if triples is None else {(int(layer), int(e)): float(p) for layer, e, p in triples}
+
+
+def _block_chances(steps: Sequence[dict[ExpertKey, float] | None]) -> dict[ExpertKey, float] | None:
+    """A block's probabilities from its positions' (1 − Π (1 − p), as the route head unions a
+    block); None unless every position has them."""
+    if not steps or any(step is None for step in steps):
+        return None
+    missed: dict[ExpertKey, float] = {}
+    for step in steps:
+        for expert, p in cast(dict[ExpertKey, float], step).items():
+            missed[expert] = missed.get(expert, 1.0) * (1.0 - p)
+    return {expert: 1.0 - q for expert, q in missed.items()}
 
 
 KINDS = ("autoregressive", "speculative", "adaptive")
@@ -99,7 +124,11 @@ class TraceRouting:
         accepted = min(tokens, r["acceptance_length"])
         if not self.positional:
             return Round(
-                tokens=tokens, acceptance_length=accepted, actual=_keys(r["actual"]), projected=_keys(r["projected"])
+                tokens=tokens,
+                acceptance_length=accepted,
+                actual=_keys(r["actual"]),
+                projected=_keys(r["projected"]),
+                projected_probability=_chances(r),
             )
         steps = self.positional[seq % len(self.positional)]["rounds"]  # step i verified emitted token i
         covered = [steps[min(start + j, len(steps) - 1)] for j in range(tokens)]
@@ -111,6 +140,7 @@ class TraceRouting:
             actual=frozenset().union(*positions),
             projected=projected,
             positions=positions,
+            projected_probability=_block_chances([_chances(step) for step in covered]),
         )
 
     def output_tokens(self, seq: int) -> int:
@@ -225,18 +255,19 @@ class RoutingRecorder:
             return sessions
 
         def recording_verify(sessions, *args, **kwargs):
-            projected = [s.pending.expert_union for s in sessions]
+            projected = [(s.pending.expert_union, s.pending.expert_probability) for s in sessions]
             results = verify(sessions, *args, **kwargs)
-            for s, union in zip(sessions, projected, strict=True):
+            for s, (union, chances) in zip(sessions, projected, strict=True):
                 trace = s.trace[-1]
-                self.records[s]["rounds"].append(
-                    {
-                        "tokens": trace.tokens,
-                        "acceptance_length": trace.acceptance_length,
-                        "actual": sorted(s.last_union),
-                        "projected": sorted(union),
-                    }
-                )
+                record = {
+                    "tokens": trace.tokens,
+                    "acceptance_length": trace.acceptance_length,
+                    "actual": sorted(s.last_union),
+                    "projected": sorted(union),
+                }
+                if chances is not None:
+                    record["projected_probability"] = [[*key, round(p, 4)] for key, p in sorted(chances.items())]
+                self.records[s]["rounds"].append(record)
             return results
 
         target.forward = recording_forward

@@ -4,7 +4,7 @@ Owns, for pdflash.bench.simulator, what pdflash.engine.pacer.VerifyPacer does in
 a tick when the target lane is about to launch a batch and at most once while a batch runs
 (charged against its in-flight union), with a link the wait for sequences still drafting
 (`_gather_s`, as VerifyPacer._gather_s), the route-ahead prefetch (one claim per admitted
-sequence), each admitted set as ONE verify on the target lane, and after it the scheduler's
+sequence, pdflash.engine.prefetching's pick, as the engine's), each admitted set as ONE verify on the target lane, and after it the scheduler's
 finish, the planner's observations and each sequence's next round. Must not model lanes,
 caches or sequences' flows: the Simulator does.
 """
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 from pdflash.bench.routing import Round
 from pdflash.bench.sim_cache import SimulationError
 from pdflash.bench.sim_events import Job
+from pdflash.engine.prefetching import launch_prefetches
 from pdflash.spec.projection import ProjectionQuality, union_bytes
 from pdflash.spec.session import RoundTrace
 from pdflash.spec.speculator import further_token_bytes, position_fetch_bytes
@@ -147,8 +148,9 @@ class SimPacer:
         for q in admitted:
             self.sim.scheduler.mark_in_flight(q.rid)
             q.wait_s += self.sim.now - q.drafted_at
-            if self.sim.cache is not None:
-                q.claim = self.sim.cache.prefetch(round_of(q).projected, self.sim.now)
+        if self.sim.cache is not None:
+            for q, experts in zip(admitted, launch_prefetches([round_of(q).projection for q in admitted]), strict=True):
+                q.claim = self.sim.cache.prefetch(experts, self.sim.now)
         return admitted
 
     def _verify_job(self, batch: list[SimRequest]) -> Job:

@@ -4,7 +4,8 @@ Owns when ticks run (when the target lane is about to launch a batch and, at mos
 a batch runs, as soon as new demands wait; once the sequences still drafting have joined, or
 waiting longer would idle the link, or, resident, cost more than the launch it saves:
 `_gather_s`), the budgets of each tick (fixed, token-only, or derived: every seat's block),
-the route-ahead prefetch of every admitted verify (one cache claim per sequence), launching
+the route-ahead prefetch of every admitted verify (one cache claim per sequence, what
+pdflash.engine.prefetching picks for the tick's admitted set), launching
 each admitted set as ONE batched verify, and handing each sequence its result. Must not touch lifecycles: every sequence's own
 coroutine registers its demand, awaits its ticket and then `verified(seq)`.
 
@@ -30,9 +31,11 @@ from pdflash.engine.admission import TokensBytes
 from pdflash.engine.builder import OffloadProvider
 from pdflash.engine.charging import UnionOf
 from pdflash.engine.lanes import Lane
+from pdflash.engine.prefetching import launch_prefetches
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.engine.sequence import Sequence, SequenceState
 from pdflash.engine.speculation import SpeculationPlanner
+from pdflash.spec.projection import Projection
 from pdflash.spec.session import VerifyResult
 from pdflash.spec.speculator import Speculator
 from pdflash.target.experts import ExpertKey
@@ -269,8 +272,11 @@ class VerifyPacer:
         for seq in admitted:
             self.scheduler.mark_in_flight(seq.request_id)
             seq.admission_wait_s += now - seq.drafted_at
-            if self.provider is not None and seq.draft is not None:
-                seq.claim = self._prefetch(seq.draft.expert_union)
+        if self.provider is not None:
+            drafted = [(s, d) for s in admitted if (d := s.draft) is not None]
+            projections = [Projection(d.expert_union, d.expert_probability) for _, d in drafted]
+            for (seq, _), experts in zip(drafted, launch_prefetches(projections), strict=True):
+                seq.claim = self._prefetch(experts)
         return admitted
 
     def _prefetch(self, union: frozenset[ExpertKey]) -> Any:

@@ -8,6 +8,8 @@ algorithms that advance a session live in pdflash.spec.speculator.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import torch
 
@@ -30,6 +32,9 @@ class DraftResult:
     fetch_bytes: int  # the part of expert_bytes not resident at projection time
     projection_s: float  # this session's share of the batched projection
     resident: frozenset[ExpertKey] = frozenset()  # experts resident when the route was projected
+    # the projector's P(routed) per expert (pdflash.spec.projection.Projection.probability);
+    # None: expert_union's members are taken as certain
+    expert_probability: Mapping[ExpertKey, float] | None = attrs.field(default=None, eq=False, repr=False)
     # [b-1, V] the distribution q each draft was drawn from (rejection sampling tests against it);
     # None: point masses, i.e. argmax drafts (greedy) or a block set by hand
     draft_probs: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)

@@ -130,15 +130,17 @@ class Speculator:
         sizes = [min(n, s.rule.max_new_tokens - len(s.emitted) + 1) for s, n in zip(sessions, wanted, strict=True)]
         blocks, draft_probs = self._drafted_blocks(sessions, sizes)
         started = time.perf_counter()
-        unions = self.projector.project(self, sessions, blocks)
+        projections = self.projector.project(self, sessions, blocks)
         share = (time.perf_counter() - started) / len(sessions)
         resident = frozenset(self.resident())
         results = []
-        for s, block, q, union in zip(sessions, blocks, draft_probs, unions):
+        for s, block, q, projection in zip(sessions, blocks, draft_probs, projections):
+            union = projection.union
             s.pending = DraftResult(
                 block=tuple(block.tolist()),
                 draft_probs=q,
                 expert_union=union,
+                expert_probability=projection.probability,
                 expert_bytes=union_bytes(union, self.expert_nbytes),
                 fetch_bytes=union_bytes(union - resident, self.expert_nbytes),
                 projection_s=share,

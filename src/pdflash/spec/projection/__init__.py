@@ -8,13 +8,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdflash.spec.projection.base import ProjectionQuality, Projector, routed_union, union_bytes
+from pdflash.spec.projection.base import (
+    PROBABILITY_FLOOR,
+    Projection,
+    ProjectionQuality,
+    Projector,
+    routed_union,
+    union_bytes,
+)
 from pdflash.spec.projection.passes import ExactProjector, LastUnionProjector, RouterPassProjector
 from pdflash.spec.projection.route_head import ROUTE_HEAD_FILE, RouteHead, RouteHeadProjector
 
 __all__ = [
+    "PROBABILITY_FLOOR",
     "PROJECTORS",
     "ROUTE_HEAD_FILE",
+    "Projection",
     "ProjectionQuality",
     "Projector",
     "RouteHead",

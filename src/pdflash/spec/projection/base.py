@@ -1,7 +1,8 @@
-"""What every route projector shares: routed unions, exact byte sums, the quality record, the protocol.
+"""What every route projector shares: routed unions, exact byte sums, the projection and its quality record, the protocol.
 
 A projector names the (layer, expert) pairs a drafted block's verify will route to, one
-union per session. Byte figures are exact sums over the byte map, never count × average.
+union per session, and, where it scores experts, how likely each one is. Byte figures are
+exact sums over the byte map, never count × average.
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ def union_bytes(union: Iterable[ExpertKey], expert_nbytes: Mapping[ExpertKey, in
     return sum(expert_nbytes[key] for key in union)
 
 
+PROBABILITY_FLOOR = 0.02  # a projection's probabilities stop below this: too unlikely to prefetch for any launch
+
+
+@attrs.frozen
+class Projection:
+    """One block's projected route: the union its verify is charged for, and the projector's
+    confidence in each expert (the prefetch of a launch reads it: pdflash.engine.prefetching)."""
+
+    union: frozenset[ExpertKey]  # projected (layer, expert) pairs
+    # P(the verify routes it) of every expert scored at PROBABILITY_FLOOR or more, members of
+    # `union` or not; None: the projector does not score, and takes its union's members as certain
+    probability: Mapping[ExpertKey, float] | None = attrs.field(default=None, eq=False, repr=False)
+
+
 @attrs.frozen(kw_only=True)
 class ProjectionQuality:
     """How a projected union compared with the union the verify actually routed."""
@@ -51,10 +66,8 @@ class ProjectionQuality:
 
 class Projector(Protocol):
     """`project` gets the speculator, the sessions and their drafted blocks (each [n_i] int64:
-    the anchor, then n_i − 1 drafts; n_i = 1 is the anchor alone) and returns one union each."""
+    the anchor, then n_i − 1 drafts; n_i = 1 is the anchor alone) and returns one projection each."""
 
     name: str
 
-    def project(
-        self, speculator: Any, sessions: Sequence[Any], blocks: Sequence[torch.Tensor]
-    ) -> list[frozenset[ExpertKey]]: ...
+    def project(self, speculator: Any, sessions: Sequence[Any], blocks: Sequence[torch.Tensor]) -> list[Projection]: ...

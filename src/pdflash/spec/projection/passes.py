@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdflash.spec.projection.base import routed_union
+from pdflash.spec.projection.base import Projection, routed_union
 
 
 class LastUnionProjector:
@@ -11,7 +11,7 @@ class LastUnionProjector:
     name = "last-union"
 
     def project(self, speculator, sessions, blocks):
-        return [s.last_union for s in sessions]
+        return [Projection(s.last_union) for s in sessions]
 
 
 class RouterPassProjector:
@@ -22,7 +22,7 @@ class RouterPassProjector:
     def project(self, speculator, sessions, blocks):
         target = speculator.target
         out = target.forward(blocks, [s.target_cache for s in sessions], skip_experts=True, commit=False)
-        return [routed_union(r, target.config.moe_layer_ids) for r in out.split(out.routed)]
+        return [Projection(routed_union(r, target.config.moe_layer_ids)) for r in out.split(out.routed)]
 
 
 class ExactProjector:
@@ -33,4 +33,4 @@ class ExactProjector:
     def project(self, speculator, sessions, blocks):
         target = speculator.target
         out = target.forward(blocks, [s.target_cache for s in sessions], commit=False)
-        return [routed_union(r, target.config.moe_layer_ids) for r in out.split(out.routed)]
+        return [Projection(routed_union(r, target.config.moe_layer_ids)) for r in out.split(out.routed)]

@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pdflash.errors import CheckpointError
+from pdflash.spec.projection.base import PROBABILITY_FLOOR, Projection
 from pdflash.target.experts import ExpertKey
 
 ROUTE_HEAD_FILE = "route_head.safetensors"
@@ -96,6 +97,15 @@ class RouteHead:
         picked = (probability > self.threshold).nonzero().tolist()
         return frozenset((self.moe_layer_ids[i], e) for i, e in picked)
 
+    def projection(self, probability: torch.Tensor) -> Projection:
+        """[L_moe, E] union probabilities → the union above the threshold, and every expert's
+        probability from PROBABILITY_FLOOR on."""
+        scored = (probability >= PROBABILITY_FLOOR).nonzero()  # [n, 2] (MoE layer index, expert)
+        values = probability[scored[:, 0], scored[:, 1]].tolist()
+        layers = self.moe_layer_ids
+        chances = {(layers[i], e): p for (i, e), p in zip(scored.tolist(), values, strict=True)}
+        return Projection(self.union(probability), chances)
+
     # -- the file ----------------------------------------------------------------------
     def save(self, path: Path | str) -> Path:
         path = Path(path)
@@ -162,7 +172,7 @@ class RouteHeadProjector:
     def __init__(self, head: RouteHead) -> None:
         self.head = head
 
-    def project(self, speculator, sessions, blocks: Sequence[torch.Tensor]) -> list[frozenset[ExpertKey]]:
+    def project(self, speculator, sessions, blocks: Sequence[torch.Tensor]) -> list[Projection]:
         if not blocks:
             return []
         embed = speculator.target.embed  # [V, H]
@@ -177,4 +187,6 @@ class RouteHeadProjector:
             tokens = torch.tensor(before + block.tolist(), dtype=torch.int64, device=embed.device)
             feats.append(self.head.features(embed, tokens, len(block)))  # [n_i, C*H]
         logits = self.head.logits(torch.cat(feats))  # [Σn, L_moe, E]: one matmul for every session
-        return [self.head.union(self.head.union_probability(part)) for part in logits.split([len(b) for b in blocks])]
+        return [
+            self.head.projection(self.head.union_probability(part)) for part in logits.split([len(b) for b in blocks])
+        ]
