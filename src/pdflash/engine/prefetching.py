@@ -20,7 +20,7 @@ from pdflash.target.experts import ExpertKey
 
 # Measured on the bundled pair behind the emulated link (docs/engine.md, "What a launch
 # prefetches"): at 0.7 plain decoding fetched 17-25% fewer bytes per token than prefetching
-# every projected expert at concurrency 1 and 4, at equal bytes at 16; 0.5 saved less.
+# every projected expert at concurrency 1 and 4, and 3-5% more at 16 and 32; 0.5 saved less.
 PREFETCH_CERTAINTY = 0.7
 
 
