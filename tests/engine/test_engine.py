@@ -158,7 +158,7 @@ async def test_offloaded_experts_with_route_ahead_prefetch_keep_the_output(tiny_
 
 
 class ScoredProjector:
-    """The router pass, with probabilities a route head would attach: its union's members at 0.9
+    """The router pass, with probabilities a route head would attach: its union's members certain
     but the first at 0.5, and one expert outside it at 0.3."""
 
     name = "scored"
@@ -169,14 +169,21 @@ class ScoredProjector:
         for projection in RouterPassProjector().project(speculator, sessions, blocks):
             members = sorted(projection.union)
             outside = next((layer, e) for layer in layers for e in range(8) if (layer, e) not in projection.union)
-            chances = {key: 0.9 for key in members} | {members[0]: 0.5, outside: 0.3}
+            chances = dict.fromkeys(members, 1.0) | {members[0]: 0.5, outside: 0.3}
             projections.append(Projection(projection.union, chances))
         return projections
 
 
+class SlowLink(RecordingProvider):
+    """Nothing resident and a link so slow that every fetched byte outweighs any compute."""
+
+    link_bytes_per_s = 1.0
+
+
 @pytest.mark.asyncio
-async def test_a_launch_prefetches_only_the_experts_it_is_likely_to_route(loaded, drafter, reference):
-    provider = RecordingProvider()
+@pytest.mark.parametrize("provider", [SlowLink, RecordingProvider])
+async def test_a_launch_prefetches_what_it_will_likely_route_as_the_link_binds(loaded, drafter, reference, provider):
+    provider = provider()
     speculator = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes, projector=ScoredProjector())
     drafts = []
     draft_rounds = speculator.draft_rounds
@@ -191,9 +198,21 @@ async def test_a_launch_prefetches_only_the_experts_it_is_likely_to_route(loaded
         stats = await drained(engine)
     assert ids == reference(PROMPTS[0]) and stats.claimed_experts == 0
     assert len(provider.prefetched) == len(drafts) > 1
-    for draft, prefetched in zip(drafts, provider.prefetched, strict=True):
-        members = sorted(draft.expert_union)  # the charged union keeps the coin flip
-        assert prefetched == frozenset(members[1:])
+    # the charged union keeps the coin flip; the prefetch drops it once a verify was timed
+    # (before, the certainty is 0: the unions whole), and never without a link
+    kinds = [
+        "whole"
+        if prefetched == draft.expert_union
+        else "sure"
+        if prefetched == frozenset(sorted(draft.expert_union)[1:])
+        else "other"
+        for draft, prefetched in zip(drafts, provider.prefetched, strict=True)
+    ]
+    if provider.link_bytes_per_s is None:
+        assert set(kinds) == {"whole"}
+    else:
+        timed = kinds.index("sure")
+        assert 1 <= timed <= 2 and kinds == ["whole"] * timed + ["sure"] * (len(kinds) - timed)
 
 
 # --- aborts and early exits ----------------------------------------------------------------

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 from engine_cases import collect, drained
-from test_engine import GREEDY, PROMPTS, RecordingProvider
+from test_engine import GREEDY, PROMPTS, SlowLink
 
 from pdflash.engine.round_work import RoundWork
 from pdflash.engine.speculation import SpeculationPlanner, _ComputeFit
@@ -99,12 +99,6 @@ def test_fixed_speculation_never_asks_the_policy():
     assert planner.plan(planner.track()) == 4 and planner.decisions == {4: 1}
     with pytest.raises(ValueError, match="speculation='greedy'"):
         SpeculationPlanner("greedy", 4, None)
-
-
-class SlowLink(RecordingProvider):
-    """Nothing resident and a link so slow that every fetched byte outweighs any compute."""
-
-    link_bytes_per_s = 1.0
 
 
 @pytest.mark.asyncio

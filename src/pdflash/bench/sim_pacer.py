@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, cast
 from pdflash.bench.routing import Round
 from pdflash.bench.sim_cache import SimulationError
 from pdflash.bench.sim_events import Job
-from pdflash.engine.prefetching import launch_prefetches
+from pdflash.engine.prefetching import launch_certainty, launch_prefetches
 from pdflash.spec.projection import ProjectionQuality, union_bytes
 from pdflash.spec.session import RoundTrace
 from pdflash.spec.speculator import further_token_bytes, position_fetch_bytes
@@ -149,7 +149,14 @@ class SimPacer:
             self.sim.scheduler.mark_in_flight(q.rid)
             q.wait_s += self.sim.now - q.drafted_at
         if self.sim.cache is not None:
-            for q, experts in zip(admitted, launch_prefetches([round_of(q).projection for q in admitted]), strict=True):
+            projections = [round_of(q).projection for q in admitted]
+            missing = frozenset().union(*(p.union for p in projections)) - resident
+            certainty = launch_certainty(  # as VerifyPacer._tick
+                union_bytes(missing, self.sim.s.byte_map),
+                self.sim.s.link_bytes_per_s,
+                self.sim.planner.verify_s(sum(round_of(q).tokens for q in admitted)),
+            )
+            for q, experts in zip(admitted, launch_prefetches(projections, certainty), strict=True):
                 q.claim = self.sim.cache.prefetch(experts, self.sim.now)
         return admitted
 

@@ -31,7 +31,7 @@ from pdflash.engine.admission import TokensBytes
 from pdflash.engine.builder import OffloadProvider
 from pdflash.engine.charging import UnionOf
 from pdflash.engine.lanes import Lane
-from pdflash.engine.prefetching import launch_prefetches
+from pdflash.engine.prefetching import launch_certainty, launch_prefetches
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.engine.sequence import Sequence, SequenceState
 from pdflash.engine.speculation import SpeculationPlanner
@@ -275,7 +275,13 @@ class VerifyPacer:
         if self.provider is not None:
             drafted = [(s, d) for s in admitted if (d := s.draft) is not None]
             projections = [Projection(d.expert_union, d.expert_probability) for _, d in drafted]
-            for (seq, _), experts in zip(drafted, launch_prefetches(projections), strict=True):
+            missing = frozenset().union(*(p.union for p in projections)) - resident
+            certainty = launch_certainty(
+                self.speculator.union_bytes(missing),
+                self.provider.link_bytes_per_s,
+                self.planner.verify_s(sum(d.tokens for _, d in drafted)),
+            )
+            for (seq, _), experts in zip(drafted, launch_prefetches(projections, certainty), strict=True):
                 seq.claim = self._prefetch(experts)
         return admitted
 

@@ -94,6 +94,11 @@ class SpeculationPlanner:
         fit = self._fit.solve()
         return fit[0] if fit is not None else 0.0
 
+    def verify_s(self, tokens: int) -> float | None:
+        """Compute seconds of a batched verify of `tokens` tokens, as fitted (None before any verify)."""
+        fit = self._fit.solve()
+        return fit[0] + tokens * fit[1] if fit is not None else None
+
     @property
     def draft_s(self) -> float:
         """Drafter seconds per drafted sequence, as measured (0 before any draft)."""
