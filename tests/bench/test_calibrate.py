@@ -1,16 +1,6 @@
 """`pdflash bench --calibrate` on a tiny pair: every phase fitted, and the engine's step overhead measured."""
 
-import pytest
-
 from pdflash.bench.calibrate import calibrate
-from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("calibrate-pair")
-    target = write_tiny_target(root / "target", seed=0)
-    return target, write_tiny_drafter(root / "drafter", target, block_size=4)
 
 
 def test_calibration_fits_every_phase_and_the_engine_step(pair):

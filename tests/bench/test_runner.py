@@ -8,14 +8,6 @@ from pdflash.bench.profiles import TimeScale, get_profile
 from pdflash.bench.routing import TraceRouting, write_traces
 from pdflash.bench.runner import BenchPlan, engine_recipe, run_point, token_routed_bytes
 from pdflash.sampling import SamplingParams
-from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench-pair")
-    target = write_tiny_target(root / "target", seed=0)
-    return target, write_tiny_drafter(root / "drafter", target, block_size=4)
 
 
 def test_a_time_scaled_point_reports_engine_and_provider_figures(pair):
