@@ -92,6 +92,13 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     assert sum(planner.decisions.values()) == 201
 
 
+def test_a_greedy_sequence_drafts_the_whole_block_whatever_it_verifies():
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
+    assert [planner.drafted_tokens(b, greedy=True) for b in (1, 2, 3, 4)] == [1, 4, 4, 4]
+    assert planner.drafted_tokens(2, greedy=False) == 2  # a sampled block drafts what it verifies (its draws)
+    assert SpeculationPlanner("fixed", 4, link_bytes_per_s=1e6).drafted_tokens(4, greedy=True) == 4
+
+
 def test_fixed_speculation_never_asks_the_policy():
     planner = SpeculationPlanner("fixed", 4, link_bytes_per_s=None)
     planner.observe_draft(1, 0.004)
@@ -115,6 +122,26 @@ async def test_link_bound_at_concurrency_one_the_engine_decodes_plainly(make_eng
     later = blocks[1:]
     assert max(later) <= 3 and later.count(1) >= 2 * len(later) / 3, blocks
     assert stats.block_decisions[1] == blocks.count(1) and stats.speculation == "adaptive"
+
+
+@pytest.mark.asyncio
+async def test_short_blocks_draft_the_whole_block_and_read_the_rest_as_shadow_drafts(make_engine, reference):
+    """A block of 2 verifies one draft; the drafter drafted all of them in its forward, and the
+    rest reach the sequence as shadow drafts, read against the tokens it commits next."""
+    engine = make_engine(provider=SlowLink())
+    engine.planner.plan = lambda acceptance: 2
+    drafts = []
+    draft_rounds = engine._work.draft_rounds  # what the drafter lane runs, recorded
+    engine._work.draft_rounds = lambda batch: drafts.extend(out := draft_rounds(batch)) or out
+    async with engine:
+        ids, _, last = await collect(engine.generate(PROMPTS[0], GREEDY))
+    assert ids == reference(PROMPTS[0])  # lossless
+    block = engine.speculator.block_size
+    assert set(last.metrics.block_sizes[:-1]) == {2}
+    assert len(drafts) == len(last.metrics.block_sizes)
+    early = drafts[: len(drafts) // 2]  # far from the request's end, where a block is cut to what is left
+    assert early and all(len(d.block) == 2 and len(d.block) + len(d.shadow) == block for d in early)
+    assert engine.planner.acceptance._global.trials[0] > 0
 
 
 @pytest.mark.asyncio
@@ -154,11 +181,11 @@ def test_a_draft_that_first_catches_up_on_skipped_context_is_not_timed(loaded, d
     planner = SpeculationPlanner("adaptive", spec.block_size, link_bytes_per_s=None)
     work = RoundWork(spec, planner)
     [session] = spec.begin_sessions([(PROMPTS[1], SamplingParams(max_tokens=40))])
-    seq = SimpleNamespace(session=session, planned_block=1)  # a Sequence stand-in: what the lane reads
+    seq = SimpleNamespace(session=session, planned_block=1, planned_draft=1)  # a Sequence stand-in: what the lane reads
     while session.context is None or session.context.shape[0] <= spec.block_size:
         work.draft_rounds([seq])  # plain rounds: the drafter skipped, its unseen context grows
         spec.verify_rounds([session])
-    seq.planned_block = spec.block_size
+    seq.planned_block = seq.planned_draft = spec.block_size
     work.draft_rounds([seq])
     assert planner.draft_s == 0  # caught up, not timed
     spec.verify_rounds([session])

@@ -75,6 +75,8 @@ class SimRequest:
     rounds: int = 0
     unseen: int = 0  # target features the drafter has not drafted on yet
     planned: int = 1  # the block the planner chose for the round being drafted
+    drafting: int = 1  # tokens the drafter makes for it (SpeculationPlanner.drafted_tokens; 1: none)
+    shadowed: int | None = None  # drafts of the whole block it drafted that a verify would accept
     pending: Round | None = None  # the drafted round awaiting its verify
     resident: frozenset[ExpertKey] = frozenset()  # resident when it was drafted
     ticket: Ticket | None = None
@@ -218,9 +220,10 @@ class Simulator:
     def _draft_job(self, batch: list[SimRequest]) -> Job:
         """The drafter lane: drafter forward and route projection of blocks of 2 or more."""
         sizes = [min(q.planned, q.max_tokens - q.emitted + 1) for q in batch]
-        drafting = [q for q, size in zip(batch, sizes, strict=True) if size >= 2]
+        made = [min(q.drafting, q.max_tokens - q.emitted + 1) for q in batch]
+        drafting = [q for q, n in zip(batch, made, strict=True) if n >= 2]
         context = sum(q.unseen for q in drafting)
-        seconds = self.s.costs.draft_s(len(batch), sum(sizes), context, speculative=bool(drafting), router=self.router)
+        seconds = self.s.costs.draft_s(len(batch), sum(made), context, speculative=bool(drafting), router=self.router)
         yield self.now + seconds
         # RoundWork.draft_rounds: a batch in which a sequence catches up on skipped context is not timed
         if all(q.unseen <= self.block for q in drafting):
@@ -251,13 +254,17 @@ class Simulator:
         """Ask the planner for the next block (RoundWork.plan: greedy requests follow the policy)."""
         assert q.acceptance is not None
         q.planned = self.planner.plan(q.acceptance)
-        (self.draft if q.planned > 1 else self.plain).submit(q)
+        q.drafting = self.planner.drafted_tokens(q.planned, greedy=True)
+        (self.draft if q.drafting > 1 else self.plain).submit(q)
 
     def _drafted(self, batch: list[SimRequest], sizes: list[int]) -> None:
         resident = self.cache.resident() if self.cache is not None else frozenset()
         for q, size in zip(batch, sizes, strict=True):
-            if size >= 2:
+            q.shadowed = None
+            if q.drafting >= 2:  # the drafter ran: what its whole block would have been accepted as
                 q.unseen = 0
+                made = min(q.drafting, q.max_tokens - q.emitted + 1)
+                q.shadowed = self.s.routing.round(q.route, q.rounds, made, q.emitted - 1).acceptance_length - 1
             r = q.pending = self.s.routing.round(q.route, q.rounds, size, q.emitted - 1)
             q.resident = resident
             expected = expected_committed(q.acceptance.estimate(), size) if q.acceptance is not None else 1.0
@@ -270,7 +277,13 @@ class Simulator:
     def stream(self, q: SimRequest, r: Round) -> None:
         accepted = min(r.acceptance_length, q.max_tokens - q.emitted)
         assert q.acceptance is not None
-        q.acceptance.observe(r.tokens, r.acceptance_length - 1)
+        # as the engine's ShadowReader, told at once: the shadow drafts' outcome when every verified
+        # draft passed, else the verify's (the engine reads shadow drafts over the next rounds)
+        q.acceptance.round_passed()
+        if q.shadowed is not None and r.acceptance_length == r.tokens:
+            q.acceptance.record(min(q.drafting, q.max_tokens - q.emitted + 1), q.shadowed)
+        else:
+            q.acceptance.record(r.tokens, r.acceptance_length - 1)
         q.rounds += 1
         q.unseen += accepted
         q.lengths.append(accepted)

@@ -318,9 +318,10 @@ class AsyncEngine:
                 seq.acceptance = self.planner.track()
                 while True:
                     seq.planned_block = self._work.plan(seq)
-                    # a block of 1 skips the drafter: its projection is target work, on the target lane, so
-                    # plain-decoding rounds batch together as an autoregressive engine's do
-                    draft = await (running.draft if seq.planned_block > 1 else running.plain).submit(seq)
+                    seq.planned_draft = self._work.draft_tokens(seq)
+                    # a round without drafts skips the drafter: its projection is target work, on the target
+                    # lane, so plain-decoding rounds batch together as an autoregressive engine's do
+                    draft = await (running.draft if seq.planned_draft > 1 else running.plain).submit(seq)
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     ticket = self._register(seq, draft)
                     await ticket.wait()
@@ -366,8 +367,19 @@ class AsyncEngine:
             trace = verified.trace
             seq.acceptance_lengths.append(trace.acceptance_length)
             seq.block_sizes.append(trace.tokens)
-            if seq.acceptance is not None:
-                seq.acceptance.observe(trace.tokens, verified.accepted_drafts)
+            if seq.acceptance is not None and seq.draft is not None:
+                # what the round says of its drafts: the verify's outcome, and for drafts made and not
+                # verified (a greedy sequence's shadow drafts), the tokens committed, read against them
+                seq.acceptance.round_passed()
+                for outcome in seq.shadow.after_round(
+                    drafted=seq.draft.drafted,
+                    verified=trace.tokens,
+                    accepted=verified.accepted_drafts,
+                    shadow=seq.draft.shadow,
+                    committed=verified.accepted_ids,
+                    finished=verified.finished,
+                ):
+                    seq.acceptance.record(outcome.block, outcome.accepted)
             seq.expert_bytes += trace.expert_bytes
             seq.fetch_bytes += trace.fetch_bytes
             self._totals.verify_rounds += 1

@@ -41,15 +41,23 @@ class RoundWork:
             return self.speculator.block_size
         return self.planner.plan(seq.acceptance)
 
+    def draft_tokens(self, seq: Sequence) -> int:
+        """Tokens the drafter makes for its planned block (the planner's rule; 1: no drafter forward)."""
+        if self.speculator.drafter is None:
+            return 1
+        return self.planner.drafted_tokens(seq.planned_block, greedy=seq.params.greedy)
+
     def draft_rounds(self, batch: list[Sequence]) -> list[DraftResult]:  # on the drafter lane
-        pairs = [(s.session, s.planned_block) for s in batch if s.session is not None]
+        pairs = [(s, s.session) for s in batch if s.session is not None]
         # a session that skipped the drafter for a while first catches up on its unseen context: a
         # one-off cost, not what drafting every round costs, so such batches are not timed
-        steady = all(_unseen(session) <= self.speculator.block_size for session, block in pairs if block >= 2)
+        steady = all(_unseen(session) <= self.speculator.block_size for s, session in pairs if s.planned_draft >= 2)
         started = time.perf_counter()
-        drafts = self.speculator.draft_rounds([session for session, _ in pairs], [block for _, block in pairs])
+        drafts = self.speculator.draft_rounds(
+            [session for _, session in pairs], [s.planned_block for s, _ in pairs], [s.planned_draft for s, _ in pairs]
+        )
         if steady:
-            self.planner.observe_draft(sum(d.tokens >= 2 for d in drafts), time.perf_counter() - started)
+            self.planner.observe_draft(sum(d.drafted for d in drafts), time.perf_counter() - started)
         return drafts
 
 

@@ -26,6 +26,7 @@ from pdflash.engine.ticket import Ticket
 from pdflash.sampling import SamplingParams
 from pdflash.spec.acceptance import SequenceAcceptance
 from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
+from pdflash.spec.shadow import ShadowReader
 
 
 class SequenceState(enum.Enum):
@@ -77,7 +78,10 @@ class Sequence:
     acceptance_lengths: list[int] = attrs.Factory(list)  # per verify round
     block_sizes: list[int] = attrs.Factory(list)  # tokens verified per round (the policy's choice)
     acceptance: SequenceAcceptance | None = None  # its acceptance estimates (adaptive speculation)
-    planned_block: int = 1  # tokens its next draft holds, anchor included
+    planned_block: int = 1  # tokens its next verify holds, anchor included
+    planned_draft: int = 1  # tokens the drafter makes for it (>= planned_block; 1: no drafter forward)
+    # its drafts no verify read, read against the tokens it commits (pdflash.spec.shadow)
+    shadow: ShadowReader = attrs.Factory(ShadowReader)
     expert_bytes: int = 0  # Σ projected union bytes over its verifies
     fetch_bytes: int = 0  # Σ non-resident part of those
     first_token_at: float | None = None

@@ -126,6 +126,16 @@ class SpeculationPlanner:
         self.decisions[block] = self.decisions.get(block, 0) + 1
         return block
 
+    def drafted_tokens(self, block: int, *, greedy: bool) -> int:
+        """Tokens the drafter makes for a round that verifies `block` (anchor included; 1: the
+        drafter does not run). A greedy sequence under adaptive speculation drafts the whole block
+        whenever the drafter runs (one forward drafts it all) and leaves what it does not verify
+        to be read against the tokens it commits next (pdflash.spec.shadow): each draft teaches
+        the acceptance estimates of every position, not only of those the policy chose to verify."""
+        if self.adaptive and greedy and block >= 2:
+            return self.max_block
+        return block
+
     def inputs(self, acceptance: SequenceAcceptance, *, draw: bool = False) -> PolicyInputs | None:
         """What the policy is asked, or None until a verify has been measured (a drafter not yet
         measured costs nothing: the first draft the policy finds worth it measures it). `draw`:

@@ -128,9 +128,18 @@ class SequenceAcceptance:
 
     def observe(self, block: int, accepted_drafts: int) -> None:
         """A round verified `block` tokens and accepted `accepted_drafts` of its drafts (b = 1: none to see)."""
+        self.round_passed()
+        self.record(block, accepted_drafts)
+
+    def round_passed(self) -> None:
+        """A round of this sequence ended: its own counts fade."""
+        self._counts.decay(self._model.prior.sequence_decay)
+
+    def record(self, block: int, accepted_drafts: int) -> None:
+        """`block` tokens' drafts were found accepted as `accepted_drafts` (by a verify, or by
+        checking shadow drafts against the tokens committed after them: pdflash.spec.shadow)."""
         if not 0 <= accepted_drafts <= max(0, block - 1):
             raise ValueError(f"accepted_drafts={accepted_drafts} is outside 0..{block - 1} for a block of {block}")
-        self._counts.decay(self._model.prior.sequence_decay)
         if block >= 2:
             self._counts.observe(block, accepted_drafts)
         self._model._observe(block, accepted_drafts)

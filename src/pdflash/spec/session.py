@@ -38,10 +38,18 @@ class DraftResult:
     # [b-1, V] the distribution q each draft was drawn from (rejection sampling tests against it);
     # None: point masses, i.e. argmax drafts (greedy) or a block set by hand
     draft_probs: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
+    # drafts made past the block and not verified (a greedy session drafts the whole block whatever
+    # it verifies): what they would have been accepted as is read off the tokens the target commits
+    shadow: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
         return len(self.block)
+
+    @property
+    def drafted(self) -> bool:
+        """The drafter ran for it (a block of drafts, or a plain round with shadow drafts)."""
+        return len(self.block) + len(self.shadow) >= 2
 
 
 @attrs.frozen(kw_only=True)

@@ -112,11 +112,20 @@ class Speculator:
     def draft_round(self, session: SpecSession) -> DraftResult:
         return self.draft_rounds([session])[0]
 
-    def draft_rounds(self, sessions: Sequence[SpecSession], sizes: Sequence[int] | None = None) -> list[DraftResult]:
+    def draft_rounds(
+        self,
+        sessions: Sequence[SpecSession],
+        sizes: Sequence[int] | None = None,
+        drafted: Sequence[int] | None = None,
+    ) -> list[DraftResult]:
         """Draft each session's next block: `sizes[i]` tokens, anchor included (default: the block size).
 
         A size of 1 is plain decoding: the block is the anchor alone and the drafter does not run
-        for that session (its unseen context waits for the next round that drafts).
+        for that session (its unseen context waits for the next round that drafts). `drafted[i]`
+        (default `sizes[i]`; at least it, at most the block size) is how many the drafter makes:
+        those past `sizes[i]` are not verified, only kept as the result's `shadow` drafts, and
+        only a greedy session may draft more than it verifies (its drafts are argmaxes, so the
+        extra ones change no random number the block's own drafts were drawn with).
         """
         for s in sessions:
             if s.finished:
@@ -127,17 +136,27 @@ class Speculator:
         for size in wanted:
             if not 1 <= size <= self.block_size:
                 raise ValueError(f"a drafted block holds 1..{self.block_size} tokens, got {size}")
-        sizes = [min(n, s.rule.max_new_tokens - len(s.emitted) + 1) for s, n in zip(sessions, wanted, strict=True)]
-        blocks, draft_probs = self._drafted_blocks(sessions, sizes)
+        made = drafted if drafted is not None else wanted
+        for s, size, n in zip(sessions, wanted, made, strict=True):
+            if not size <= n <= self.block_size or (n > size and not s.params.greedy):
+                raise ValueError(
+                    f"a session drafts {size}..{self.block_size} tokens for a block of {size} "
+                    f"(more only when greedy), got {n}"
+                )
+        room = [s.rule.max_new_tokens - len(s.emitted) + 1 for s in sessions]  # tokens it may still emit, + 1
+        sizes = [min(n, r) for n, r in zip(wanted, room, strict=True)]
+        full, draft_probs = self._drafted_blocks(sessions, [min(n, r) for n, r in zip(made, room, strict=True)])
+        blocks = [block[:n] for block, n in zip(full, sizes, strict=True)]
         started = time.perf_counter()
         projections = self.projector.project(self, sessions, blocks)
         share = (time.perf_counter() - started) / len(sessions)
         resident = frozenset(self.resident())
         results = []
-        for s, block, q, projection in zip(sessions, blocks, draft_probs, projections):
+        for s, block, whole, q, projection in zip(sessions, blocks, full, draft_probs, projections):
             union = projection.union
             s.pending = DraftResult(
                 block=tuple(block.tolist()),
+                shadow=tuple(whole[len(block) :].tolist()),
                 draft_probs=q,
                 expert_union=union,
                 expert_probability=projection.probability,
