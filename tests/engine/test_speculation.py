@@ -99,6 +99,20 @@ def test_a_greedy_sequence_drafts_the_whole_block_whatever_it_verifies():
     assert SpeculationPlanner("fixed", 4, link_bytes_per_s=1e6).drafted_tokens(4, greedy=True) == 4
 
 
+def test_the_acceptance_calibration_follows_what_drafted_rounds_realized():
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
+    assert planner.acceptance_calibration == 1.0  # nothing drafted yet: the estimates as they are
+    for _ in range(200):  # the estimates expected 2 drafts accepted a round; 1 was
+        planner.observe_committed(expected_tokens=3.0, committed=2)
+    assert planner.acceptance_calibration == pytest.approx(0.5, abs=0.01)
+    planner.observe_verify([trace(1, (1000,), further=300)] * 2, 0.02)
+    planner.observe_verify([trace(1, (1000,), further=300)] * 2, 0.02)
+    assert planner.inputs(planner.track()).acceptance_calibration == planner.acceptance_calibration
+    for _ in range(200):  # and it recovers when drafts accept as expected again
+        planner.observe_committed(expected_tokens=3.0, committed=3)
+    assert planner.acceptance_calibration == pytest.approx(1.0, abs=0.01)
+
+
 def test_fixed_speculation_never_asks_the_policy():
     planner = SpeculationPlanner("fixed", 4, link_bytes_per_s=None)
     planner.observe_draft(1, 0.004)

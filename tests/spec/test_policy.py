@@ -21,6 +21,21 @@ def test_expected_committed_is_one_plus_the_survival_sum():
     assert expected_committed(a, 4) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
 
 
+def test_a_calibration_weighs_the_drafts_at_what_they_realized():
+    a = (0.8, 0.5, 0.25)
+    assert expected_committed(a, 4, 0.5) == pytest.approx(1 + 0.5 * (0.8 + 0.4 + 0.1))
+    # shared bytes, 0.9 acceptance: at the estimates a block pays; drafts realizing 30% of that do not
+    prefix = tuple(MB + int(0.3 * MB) * (b - 1) for b in range(1, 9))
+    costs = RoundCosts(round_s=0.010, token_s=0.001, draft_s=0.005, link_bytes_per_s=10 * MB)
+    inputs = PolicyInputs(acceptance=(0.9,) * 7, prefix_fetch_bytes=prefix, costs=costs)
+    assert choose_block(inputs).block > 1
+    calibrated = PolicyInputs(acceptance=(0.9,) * 7, prefix_fetch_bytes=prefix, costs=costs, acceptance_calibration=0.3)
+    choice = choose_block(calibrated)
+    assert choice.block == 1 and choice.rates[1] == pytest.approx((1 + 0.3 * 0.9) / round_cost_s(calibrated, 2))
+    with pytest.raises(ValueError, match="acceptance_calibration is a ratio >= 0"):
+        PolicyInputs(acceptance=(0.9,), prefix_fetch_bytes=(1, 2), costs=costs, acceptance_calibration=-0.1)
+
+
 def test_link_bound_at_concurrency_one_decodes_plainly():
     # every position adds 1 MB at 10 MB/s: 0.1 s per token against 11 ms of compute
     inputs = PolicyInputs(

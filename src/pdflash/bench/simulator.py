@@ -77,6 +77,7 @@ class SimRequest:
     planned: int = 1  # the block the planner chose for the round being drafted
     drafting: int = 1  # tokens the drafter makes for it (SpeculationPlanner.drafted_tokens; 1: none)
     shadowed: int | None = None  # drafts of the whole block it drafted that a verify would accept
+    expected: float = 1.0  # its pending round's E[committed] by its mean acceptance estimate
     pending: Round | None = None  # the drafted round awaiting its verify
     resident: frozenset[ExpertKey] = frozenset()  # resident when it was drafted
     ticket: Ticket | None = None
@@ -267,7 +268,9 @@ class Simulator:
                 q.shadowed = self.s.routing.round(q.route, q.rounds, made, q.emitted - 1).acceptance_length - 1
             r = q.pending = self.s.routing.round(q.route, q.rounds, size, q.emitted - 1)
             q.resident = resident
-            expected = expected_committed(q.acceptance.estimate(), size) if q.acceptance is not None else 1.0
+            expected = q.expected = (
+                expected_committed(q.acceptance.estimate(), size) if q.acceptance is not None else 1.0
+            )
             full = union_bytes(r.projected, self.s.byte_map)
             fetch = union_bytes(r.projected - resident, self.s.byte_map)
             q.ticket = self.scheduler.register(q.rid, size, r.projected, full, fetch, expected)
@@ -284,6 +287,8 @@ class Simulator:
             q.acceptance.record(min(q.drafting, q.max_tokens - q.emitted + 1), q.shadowed)
         else:
             q.acceptance.record(r.tokens, r.acceptance_length - 1)
+        if r.tokens >= 2:
+            self.planner.observe_committed(q.expected, r.acceptance_length)
         q.rounds += 1
         q.unseen += accepted
         q.lengths.append(accepted)

@@ -347,6 +347,7 @@ class AsyncEngine:
         ticket = seq.ticket = self.scheduler.register(
             seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes, expected
         )
+        seq.expected_tokens = expected
         seq.draft, seq.drafted_at = draft, time.perf_counter()
         seq.verify_done, seq.verify_result, seq.verify_error = anyio.Event(), None, None
         seq.drafted()
@@ -380,6 +381,8 @@ class AsyncEngine:
                     finished=verified.finished,
                 ):
                     seq.acceptance.record(outcome.block, outcome.accepted)
+                if trace.tokens >= 2:  # what the drafts realized against what the policy expected of them
+                    self.planner.observe_committed(seq.expected_tokens, verified.accepted_drafts + 1)
             seq.expert_bytes += trace.expert_bytes
             seq.fetch_bytes += trace.fetch_bytes
             self._totals.verify_rounds += 1

@@ -82,6 +82,7 @@ class Sequence:
     planned_draft: int = 1  # tokens the drafter makes for it (>= planned_block; 1: no drafter forward)
     # its drafts no verify read, read against the tokens it commits (pdflash.spec.shadow)
     shadow: ShadowReader = attrs.Factory(ShadowReader)
+    expected_tokens: float = 1.0  # its pending verify's E[committed] by its mean acceptance estimate
     expert_bytes: int = 0  # Σ projected union bytes over its verifies
     fetch_bytes: int = 0  # Σ non-resident part of those
     first_token_at: float | None = None

@@ -23,6 +23,8 @@ SIZE_WINDOW = 20  # verifies of one size behind its running mean (a plain mean u
 SIZE_DECAY = 0.99  # per verify: how fast a size not seen again loses weight in the fit
 SIZE_FORGOTTEN = 0.01  # a size's weight below which the fit drops it
 TOKEN_COST_PRIOR = 0.05  # seconds per token / fixed seconds, assumed until token counts vary
+CALIBRATION_DECAY = 0.98  # per drafted round: the acceptance calibration remembers the last ~50
+CALIBRATION_PRIOR = 4.0  # pseudo-drafts, realized as expected, behind the calibration
 
 
 @attrs.define
@@ -83,6 +85,8 @@ class SpeculationPlanner:
         self._position_bytes: list[float | None] = [None] * max_block  # [B] EMA bytes each position adds
         self._further_bytes: float | None = None  # EMA: what one more token would add (unmeasured positions)
         self.decisions: dict[int, int] = {}  # block length chosen -> rounds
+        self._expected_drafts = CALIBRATION_PRIOR  # decayed Σ drafts the estimates expected accepted
+        self._accepted_drafts = CALIBRATION_PRIOR  # decayed Σ drafts then accepted
 
     @property
     def adaptive(self) -> bool:
@@ -98,6 +102,16 @@ class SpeculationPlanner:
         """Compute seconds of a batched verify of `tokens` tokens, as fitted (None before any verify)."""
         fit = self._fit.solve()
         return fit[0] + tokens * fit[1] if fit is not None else None
+
+    @property
+    def acceptance_calibration(self) -> float:
+        """κ: drafts accepted / drafts the mean estimates expected, over recent drafted rounds.
+
+        The policy drafts a sequence when its estimate is high, and an estimate is high partly
+        by noise, so the rounds it drafts accept less than they were expected to (the winner's
+        curse: link-bound at c = 4 on the bundled pair, 37 drafts accepted where 47 were
+        expected, κ = 0.79). The policy weighs drafts at what they realized."""
+        return self._accepted_drafts / self._expected_drafts
 
     @property
     def draft_s(self) -> float:
@@ -163,6 +177,7 @@ class SpeculationPlanner:
                 draft_s=self.draft_s,
                 link_bytes_per_s=self.link_bytes_per_s,
             ),
+            acceptance_calibration=self.acceptance_calibration,
         )
 
     # -- measuring ---------------------------------------------------------------------------------
@@ -175,6 +190,13 @@ class SpeculationPlanner:
             self._further_bytes = _ema(self._further_bytes, float(trace.further_token_bytes))
             for k, nbytes in enumerate(trace.position_fetch_bytes[: self.max_block]):
                 self._position_bytes[k] = _ema(self._position_bytes[k], float(nbytes))
+
+    def observe_committed(self, expected_tokens: float, committed: int) -> None:
+        """A verified block of drafts committed `committed` tokens where the sequence's mean
+        estimate, when it was planned, expected `expected_tokens` (uncalibrated); the bonus
+        token is not a draft."""
+        self._expected_drafts = CALIBRATION_DECAY * self._expected_drafts + (expected_tokens - 1.0)
+        self._accepted_drafts = CALIBRATION_DECAY * self._accepted_drafts + (committed - 1.0)
 
     def observe_idle(self, seconds: float) -> None:
         """The verify lane waited `seconds` between a verify and the next launch of one of its

@@ -1,8 +1,8 @@
 """How far to speculate: the verify length b that maximises expected committed tokens per second.
 
 Owns the pure decision of ARCHITECTURE "Deciding how far to speculate". A verify of b tokens
-commits E[b] = 1 + Σ_{k<b} Π_{j≤k} a_j tokens (a_j: the chance draft j is accepted given
-1..j-1 were) and costs
+commits E[b] = 1 + κ·Σ_{k<b} Π_{j≤k} a_j tokens (a_j: the chance draft j is accepted given
+1..j-1 were; κ: what the drafts of past rounds realized against that sum, as measured) and costs
 
     cost(b) = round_s + b·token_s + [b ≥ 2]·draft_s + fetch_bytes(b) / link_bytes_per_s
 
@@ -41,6 +41,8 @@ class PolicyInputs:
     acceptance: tuple[float, ...]  # a_1 .. a_{B-1}: conditional acceptance of each draft position
     prefix_fetch_bytes: tuple[int, ...]  # [B]: bytes the first b tokens' union adds (b = 1 .. B)
     costs: RoundCosts
+    # κ: drafts accepted / drafts the estimates expected, over recent drafted rounds (1: as estimated)
+    acceptance_calibration: float = 1.0
 
     def __attrs_post_init__(self) -> None:
         if not self.prefix_fetch_bytes:
@@ -54,6 +56,8 @@ class PolicyInputs:
             raise ValueError(f"acceptance estimates are probabilities in [0, 1], got {self.acceptance}")
         if any(b < 0 for b in self.prefix_fetch_bytes):
             raise ValueError(f"prefix_fetch_bytes are sizes >= 0, got {self.prefix_fetch_bytes}")
+        if not self.acceptance_calibration >= 0:
+            raise ValueError(f"acceptance_calibration is a ratio >= 0, got {self.acceptance_calibration!r}")
 
     @property
     def max_block(self) -> int:
@@ -72,13 +76,13 @@ class BlockChoice:
         return self.rates[self.block - 1]
 
 
-def expected_committed(acceptance: tuple[float, ...], block: int) -> float:
-    """E[tokens committed by a verify of `block` tokens] = 1 + Σ_{k<block} Π_{j≤k} a_j."""
-    total, survive = 1.0, 1.0
+def expected_committed(acceptance: tuple[float, ...], block: int, calibration: float = 1.0) -> float:
+    """E[tokens committed by a verify of `block` tokens] = 1 + calibration · Σ_{k<block} Π_{j≤k} a_j."""
+    drafts, survive = 0.0, 1.0
     for a in acceptance[: block - 1]:
         survive *= a
-        total += survive
-    return total
+        drafts += survive
+    return 1.0 + calibration * drafts
 
 
 def round_cost_s(inputs: PolicyInputs, block: int) -> float:
@@ -92,11 +96,12 @@ def choose_block(inputs: PolicyInputs) -> BlockChoice:
     rates = []
     for b in range(1, inputs.max_block + 1):
         cost = round_cost_s(inputs, b)
-        rates.append(expected_committed(inputs.acceptance, b) / cost if cost > 0 else float("inf"))
+        expected = expected_committed(inputs.acceptance, b, inputs.acceptance_calibration)
+        rates.append(expected / cost if cost > 0 else float("inf"))
     best = max(range(len(rates)), key=lambda i: (rates[i], -i)) + 1
     return BlockChoice(
         block=best,
-        expected_tokens=expected_committed(inputs.acceptance, best),
+        expected_tokens=expected_committed(inputs.acceptance, best, inputs.acceptance_calibration),
         cost_s=round_cost_s(inputs, best),
         rates=tuple(rates),
     )
