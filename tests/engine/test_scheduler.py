@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pdflash.engine.admission import TokensBytes, VerifyAdmission, VerifyDemand, admit_verify_demands
 from pdflash.engine.charging import ChargeMode, ExpertMasks, charge_bytes
-from pdflash.engine.ordering import OrderKey, offer_order
+from pdflash.engine.ordering import LOOK_AHEAD, OrderKey, offer_order
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.engine.ticket import AdmissionCancelled
 
@@ -626,3 +626,16 @@ def test_a_guarded_demand_is_offered_before_a_better_yield():
     assert offer_order(keys, "arrival", barrier_after=4) == [0, 1, 2]
     with pytest.raises(ValueError, match="order='best'"):
         offer_order(keys, "best", barrier_after=4)
+
+
+def test_yield_ranks_only_the_oldest_look_ahead_and_keeps_arrival_order_behind_them():
+    """The best yield behind the window waits its turn; within the window yield decides."""
+    n = LOOK_AHEAD + 2
+    keys = [OrderKey(seq_id=i, expected_tokens=1.0 + i, alone_bytes=10, skipped_ticks=0) for i in range(n)]
+    assert offer_order(keys, "yield", barrier_after=4) == [*range(LOOK_AHEAD - 1, -1, -1), LOOK_AHEAD, LOOK_AHEAD + 1]
+    byte_map = {(0, e): 40 for e in range(n)}
+    sched = two_d(charge_mode="marginal", byte_map=byte_map, order="yield", byte_budget=16 * 40, byte_cap=32 * 40)
+    for i in range(n):  # one token and one expert each: a tick's 16 tokens admit the 16 best ranked
+        sched.register(i, 1, union={(0, i)}, full_bytes=40, expected_tokens=1.0 + i)
+    best_ranked = tuple(range(LOOK_AHEAD - 1, LOOK_AHEAD - 17, -1))
+    assert sched.tick(resident=set(), in_flight_union=set()).admitted_ids == best_ranked

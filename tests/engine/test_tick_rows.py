@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pdflash.engine.admission import TokensBytes, VerifyDemand, admit_verify_demands
 from pdflash.engine.charging import ExpertMasks, TrackedRow, UnionOf
+from pdflash.engine.ordering import LOOK_AHEAD
 from pdflash.engine.scheduler import VerifyScheduler
 
 PROPS = settings(max_examples=150, deadline=None)
@@ -77,7 +78,8 @@ def reference_line(order, waiting, skipped, resident, in_flight, barrier_after):
 
     guarded = [r for r in waiting if skipped[r.seq_id] >= barrier_after]
     rest = [r for r in waiting if skipped[r.seq_id] < barrier_after]
-    return guarded + sorted(rest, key=lambda r: -per_byte(r))  # sorted is stable: ties in arrival order
+    ranked = sorted(rest[:LOOK_AHEAD], key=lambda r: -per_byte(r))  # sorted is stable: ties in arrival order
+    return guarded + ranked + rest[LOOK_AHEAD:]
 
 
 def reference_charges(mode, line, resident, in_flight):

@@ -6,7 +6,10 @@ first served. "yield" offers first every demand the guard already protects (skip
 `barrier_after` ticks or more, in arrival order, so the guard's bound still holds), then the
 rest by expected committed tokens per byte they would add to what is resident or coming,
 best first (ties in arrival order): when bytes are scarce, the verifies that buy the most
-tokens per byte go first.
+tokens per byte go first. The look-ahead is bounded: only the `LOOK_AHEAD` oldest of the rest
+are ordered by yield, those behind them follow in arrival order. At the engine's default of
+64 live sequences at most, every waiting verify is ranked; past that the bytes-alone pass over
+every waiting union, the tick's largest cost, stays that of 64 (bench_admission.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 ORDERS = ("arrival", "yield")
+LOOK_AHEAD = 64  # unguarded demands the yield order ranks, oldest first; the rest keep arrival order
 
 
 @attrs.frozen(kw_only=True)
@@ -49,8 +53,9 @@ def offer_order_columns(
         return np.arange(len(skipped), dtype=np.intp)
     guarded = skipped >= barrier_after
     rest = np.flatnonzero(~guarded)
-    rest = rest[by_yield(np.asarray(expected_tokens)[rest], np.asarray(alone_bytes)[rest])]
-    return np.concatenate([np.flatnonzero(guarded), rest])
+    ranked, behind = rest[:LOOK_AHEAD], rest[LOOK_AHEAD:]
+    ranked = ranked[by_yield(np.asarray(expected_tokens)[ranked], np.asarray(alone_bytes)[ranked])]
+    return np.concatenate([np.flatnonzero(guarded), ranked, behind])
 
 
 def by_yield(expected_tokens: npt.ArrayLike, alone_bytes: npt.ArrayLike) -> npt.NDArray[np.intp]:

@@ -13,6 +13,7 @@ cancel(seq_id), which is also what a cancelled waiter does by itself.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 from collections import deque
@@ -25,7 +26,7 @@ from pdflash.checks import require_int
 from pdflash.engine.admission import ZERO, TokensBytes, VerifyAdmission, first_fit_stream, require_fits_cap
 from pdflash.engine.charging import ChargeMode, ExpertMasks, MarginalCounter
 from pdflash.engine.demand_table import DemandTable
-from pdflash.engine.ordering import by_yield, offer_order
+from pdflash.engine.ordering import LOOK_AHEAD, by_yield, offer_order
 from pdflash.engine.ticket import Ticket
 from pdflash.measure import percentile
 from pdflash.target.experts import ExpertKey
@@ -282,7 +283,7 @@ class VerifyScheduler:
         """The waiting demands in the order this tick offers them (pdflash.engine.ordering), as
         first-fit pulls them. The guarded ones come first, in arrival order; as queued ticks
         only grow along the arrival order, they are a prefix of it. The rest is ordered (their
-        bytes counted beyond `covered`) only if first-fit gets that far."""
+        bytes counted beyond `covered`, the oldest LOOK_AHEAD of them) only if first-fit gets that far."""
         waiting, last_guarded = iter(self._queue.values()), self._ticks - self.barrier_after
         for entry in waiting:
             if entry.queued_tick > last_guarded:
@@ -294,10 +295,11 @@ class VerifyScheduler:
             yield entry
             yield from waiting
             return
-        rest = [entry, *waiting]  # none guarded: ordered by yield alone
-        slots = np.fromiter(map(_SLOT, rest), dtype=np.intp, count=len(rest))
+        ranked = [entry, *itertools.islice(waiting, LOOK_AHEAD - 1)]  # none guarded: ordered by yield alone
+        slots = np.fromiter(map(_SLOT, ranked), dtype=np.intp, count=len(ranked))
         order = by_yield(self._table.expected[slots], self._table.alone_bytes(slots, covered))
-        yield from map(rest.__getitem__, order.tolist())
+        yield from map(ranked.__getitem__, order.tolist())
+        yield from waiting  # behind the look-ahead: arrival order
 
     def _charger(self, covered: int | None, inside: Set[int] = frozenset()) -> Callable[[_Entry], int]:
         """Bytes to charge each demand it is called on, in the order called: marginal charges
