@@ -162,7 +162,14 @@ class ZipfRouting:
     round after another: acceptance is a property of the sequence (on the bundled pair consecutive
     rounds' lengths correlate 0.63 in the recording, 0.77 over 128-token requests), which i.i.d.
     draws would erase, and with it what a per-sequence estimate can learn. Deterministic per
-    (seed, sequence)."""
+    (seed, sequence).
+
+    As `TraceRouting` replays an autoregressive trace, a sequence's output positions are drawn
+    once each, in order, and every block that covers a position routes what was drawn there:
+    a rejected draft is stood in for by the token committed at its position, the next block
+    starts from the last committed token, a block read twice in one round (the verified prefix
+    and the shadow drafts of the whole block) routes and accepts the same, and a prompt sent
+    again replays its routes."""
 
     def __init__(
         self,
@@ -189,7 +196,9 @@ class ZipfRouting:
         np.put_along_axis(self.log_p, order, np.log(weights / weights.sum()), axis=1)
         self.description = f"Zipf routing s={exponent:g}, locality {locality:g}, seed {seed}"
         self._state: dict[int, tuple[np.random.Generator, np.ndarray | None]] = {}
-        self._next_round: dict[int, int] = {}  # sequence -> index of its next recorded round
+        self._prompts: dict[int, tuple[int, Union]] = {}  # sequence -> (prompt tokens, its union)
+        self._offsets: dict[int, int] = {}  # sequence -> the recorded round its round 0 replays
+        self._outputs: dict[int, list[np.ndarray]] = {}  # sequence -> [L, k] ids of each output position drawn
 
     def _draw(self, seq: int, n: int) -> np.ndarray:
         """[n, L, k] expert ids of the sequence's next n tokens."""
@@ -209,16 +218,28 @@ class ZipfRouting:
         return frozenset(zip(layers.ravel().tolist(), ids.ravel().tolist(), strict=True))
 
     def prefill_union(self, seq: int, prompt_tokens: int) -> Union:
-        return self._union(self._draw(seq, prompt_tokens))
+        """The prompt's routed union, drawn the first time the sequence is prefilled (a prompt sent
+        again routes as it did, as a greedy request for it replays its outputs' positions)."""
+        if seq not in self._prompts:
+            self._prompts[seq] = (prompt_tokens, self._union(self._draw(seq, prompt_tokens)))
+        drawn, union = self._prompts[seq]
+        if drawn != prompt_tokens:
+            raise ValueError(f"sequence {seq} was prefilled with {drawn} prompt tokens, now {prompt_tokens}")
+        return union
+
+    def _positions(self, seq: int, start: int, n: int) -> list[np.ndarray]:
+        """[n] of [L, k]: the expert ids at output positions start .. start + n - 1, each drawn once."""
+        drawn = self._outputs.setdefault(seq, [])
+        if len(drawn) < start + n:
+            drawn.extend(self._draw(seq, start + n - len(drawn)))
+        return drawn[start : start + n]
 
     def round(self, seq: int, index: int, tokens: int, start: int) -> Round:
-        ids = self._draw(seq, tokens)  # [tokens, L, k]
-        positions = tuple(self._union(ids[t : t + 1]) for t in range(tokens))
+        positions = tuple(self._union(ids[None]) for ids in self._positions(seq, start, tokens))
         union = frozenset().union(*positions)
-        rng = self._state[seq][0]
-        at = self._next_round.get(seq, int(rng.integers(len(self.acceptance))))
-        self._next_round[seq] = (at + 1) % len(self.acceptance)
-        accepted = int(self.acceptance[at])
+        if seq not in self._offsets:  # drawn after the sequence's first positions
+            self._offsets[seq] = int(self._state[seq][0].integers(len(self.acceptance)))
+        accepted = int(self.acceptance[(self._offsets[seq] + index) % len(self.acceptance)])
         return Round(
             tokens=tokens, acceptance_length=min(tokens, accepted), actual=union, projected=union, positions=positions
         )
