@@ -92,6 +92,23 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     assert sum(planner.decisions.values()) == 201
 
 
+def test_later_positions_cost_what_they_added_relative_to_the_first_at_the_first_positions_bytes_now():
+    """When the cache turns cold (a new prompt's first rounds) a block's first position fetches
+    more, and so do the positions after it: each later position is priced at the first position's
+    bytes now times what it added relative to the first in the rounds that reached it, not at
+    bytes measured in another phase (which made blocks look cheap exactly when plain rounds were
+    dear, and the drafted rounds then fetched 1.6x the bytes per extra token they were priced at)."""
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
+    for _ in range(2):  # warm: the first position 1000 bytes, the second 500, the third 250
+        planner.observe_verify([trace(4, (1000, 500, 250, 250))] * 2, 0.02)
+    assert planner.inputs(planner.track()).prefix_fetch_bytes == (1000, 1500, 1750, 2000)
+    for _ in range(60):  # cold: plain rounds whose first (only) position fetches twice as much
+        planner.observe_verify([trace(1, (2000,), further=1000)] * 2, 0.02)
+    prefix = planner.inputs(planner.track()).prefix_fetch_bytes
+    assert prefix[0] == pytest.approx(2000, rel=0.01)
+    assert prefix == pytest.approx((prefix[0], 1.5 * prefix[0], 1.75 * prefix[0], 2 * prefix[0]), rel=0.01)
+
+
 def test_a_greedy_sequence_drafts_the_whole_block_whatever_it_verifies():
     planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
     assert [planner.drafted_tokens(b, greedy=True) for b in (1, 2, 3, 4)] == [1, 4, 4, 4]

@@ -1,8 +1,9 @@
 """The engine's side of "how far to speculate": live estimates in, one block length per round out.
 
 Owns the estimates the pure policy (pdflash.spec.policy) is fed: each sequence's acceptance
-(pdflash.spec.acceptance), the bytes each further block position adds on the link (measured by
-every verify: RoundTrace.position_fetch_bytes), and what a round costs in time (a verify's
+(pdflash.spec.acceptance), the bytes a block's first position adds on the link and what each
+further position adds relative to it (measured by every verify: RoundTrace.position_fetch_bytes),
+and what a round costs in time (a verify's
 fixed and per-token seconds, fitted online from batched verifies; the drafter's seconds per
 sequence; the seconds the verify lane waits between rounds). `speculation="fixed"` always
 drafts the configured block; without a drafter every round is one token. Must not touch
@@ -82,8 +83,9 @@ class SpeculationPlanner:
         self._draft_s: float | None = None  # drafter seconds per drafted sequence
         self._batch: float | None = None  # sequences per batched verify
         self._idle_s: float | None = None  # EMA: seconds the verify lane waits between rounds, drafting aside
-        self._position_bytes: list[float | None] = [None] * max_block  # [B] EMA bytes each position adds
-        self._further_bytes: float | None = None  # EMA: what one more token would add (unmeasured positions)
+        self._base_bytes: float | None = None  # EMA: bytes a block's first position adds
+        self._position_ratio = [_Ratio() for _ in range(max_block)]  # [B] bytes each position adds / the first's
+        self._further_ratio = _Ratio()  # what one more token would add / the first position's (unmeasured ones)
         self.decisions: dict[int, int] = {}  # block length chosen -> rounds
         self._expected_drafts = CALIBRATION_PRIOR  # decayed Σ drafts the estimates expected accepted
         self._accepted_drafts = CALIBRATION_PRIOR  # decayed Σ drafts then accepted
@@ -155,18 +157,17 @@ class SpeculationPlanner:
         measured costs nothing: the first draft the policy finds worth it measures it). `draw`:
         the acceptance is a posterior draw (what `plan` decides on), else the estimate's mean."""
         fit = self._fit.solve()
-        if fit is None or self._position_bytes[0] is None:
+        if fit is None or self._base_bytes is None:
             return None
         fixed_s, token_s = fit
-        prefix, total = [], 0.0
-        # an unmeasured position costs what the last measured later position did, or, before any
-        # was, what one more token would have added (the batch's leave-one-out)
-        further = self._further_bytes if self._further_bytes is not None else self._position_bytes[0]
-        assert further is not None  # position 0 is measured (checked above)
-        for k, measured in enumerate(self._position_bytes):
-            if measured is not None and k > 0:
-                further = measured
-            total += measured if measured is not None else further
+        # a later position costs the first position's bytes now times what it added relative to
+        # the first in the rounds that reached it; an unmeasured one what the last measured later
+        # position did, or, before any was, what one more token would have added (leave-one-out)
+        prefix, total, ratio = [], self._base_bytes, self._further_ratio.value
+        prefix.append(int(total))
+        for measured in self._position_ratio[1:]:
+            ratio = measured.value if measured.value is not None else ratio
+            total += (ratio if ratio is not None else 1.0) * self._base_bytes
             prefix.append(int(total))
         return PolicyInputs(
             acceptance=acceptance.draw() if draw else acceptance.estimate(),
@@ -187,9 +188,13 @@ class SpeculationPlanner:
         self._fit.observe(sum(t.tokens for t in traces), compute_s)
         self._batch = _ema(self._batch, float(len(traces)))
         for trace in traces:
-            self._further_bytes = _ema(self._further_bytes, float(trace.further_token_bytes))
-            for k, nbytes in enumerate(trace.position_fetch_bytes[: self.max_block]):
-                self._position_bytes[k] = _ema(self._position_bytes[k], float(nbytes))
+            if not trace.position_fetch_bytes:
+                continue
+            first = trace.position_fetch_bytes[0]
+            self._base_bytes = _ema(self._base_bytes, float(first))
+            self._further_ratio.observe(trace.further_token_bytes, first)
+            for k, nbytes in enumerate(trace.position_fetch_bytes[1 : self.max_block], start=1):
+                self._position_ratio[k].observe(nbytes, first)
 
     def observe_committed(self, expected_tokens: float, committed: int) -> None:
         """A verified block of drafts committed `committed` tokens where the sequence's mean
@@ -211,6 +216,24 @@ class SpeculationPlanner:
         """The drafter lane drafted `sequences` blocks in `seconds`."""
         if sequences:
             self._draft_s = _ema(self._draft_s, seconds / sequences)
+
+
+@attrs.define
+class _Ratio:
+    """Σ numerator / Σ denominator over the observations, each sum an EMA (a ratio of sums: a
+    round whose first position fetched almost nothing does not blow it up)."""
+
+    numerator: float | None = None
+    denominator: float | None = None
+
+    def observe(self, numerator: float, denominator: float) -> None:
+        self.numerator = _ema(self.numerator, float(numerator))
+        self.denominator = _ema(self.denominator, float(denominator))
+
+    @property
+    def value(self) -> float | None:
+        """The ratio, or None before any observation with a denominator."""
+        return self.numerator / self.denominator if self.numerator is not None and self.denominator else None
 
 
 def _ema(old: float | None, new: float) -> float:
