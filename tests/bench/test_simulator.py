@@ -221,19 +221,28 @@ def test_a_prompt_waits_for_the_sequence_about_to_leave_and_is_prefilled_with_it
     assert held.ttft_p99_ms > alone.ttft_p99_ms
 
 
-def test_zipf_routing_routes_each_output_position_once():
-    """A round read twice (its verified prefix and its whole block's shadow drafts) routes and
-    accepts the same, the next block starts at the first position not committed, and a prompt
+def test_zipf_routing_routes_each_committed_token_once():
+    """A round read twice (its verified prefix and its whole block's shadow drafts) routes its
+    committed tokens and accepts the same; its rejected drafts are other tokens; the next block
+    starts at the first position not committed and routes the tokens committed there; a prompt
     sent again replays its routes (as greedy decoding of it would)."""
     routing = ZipfRouting(layers=2, experts=32, top_k=4, exponent=0.8, locality=0.3, acceptance=[3, 5], seed=0)
     prompt = routing.prefill_union(0, 16)
     whole = routing.round(0, 0, 8, 0)
+    committed = whole.acceptance_length  # 3 or 5: the anchor and its accepted drafts
+    assert committed in (3, 5) and len(whole.positions) == 8
     verified = routing.round(0, 0, 2, 0)
     assert verified.positions == whole.positions[:2] and verified.actual == frozenset().union(*whole.positions[:2])
-    assert verified.acceptance_length == min(2, whole.acceptance_length)
-    after = routing.round(0, 1, 4, 2)  # two tokens committed: the next block covers positions 2..5
-    assert after.positions == whole.positions[2:6]
-    assert after.acceptance_length != whole.acceptance_length  # the next recorded round
+    assert verified.acceptance_length == 2
+    again = routing.round(0, 0, 8, 0)
+    assert again.positions[:committed] == whole.positions[:committed]
+    assert again.positions[committed:] != whole.positions[committed:]  # rejected drafts: drawn afresh
+    after = routing.round(0, 1, 8, committed)  # the next block covers the positions after them
+    assert after.acceptance_length != committed  # the next recorded round
+    assert (
+        routing.round(0, 1, 8, committed).positions[: after.acceptance_length]
+        == after.positions[: after.acceptance_length]
+    )
     assert routing.prefill_union(0, 16) == prompt
     with pytest.raises(ValueError, match="prefilled with 16 prompt tokens, now 8"):
         routing.prefill_union(0, 8)

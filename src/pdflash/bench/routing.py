@@ -164,12 +164,14 @@ class ZipfRouting:
     draws would erase, and with it what a per-sequence estimate can learn. Deterministic per
     (seed, sequence).
 
-    As `TraceRouting` replays an autoregressive trace, a sequence's output positions are drawn
-    once each, in order, and every block that covers a position routes what was drawn there:
-    a rejected draft is stood in for by the token committed at its position, the next block
-    starts from the last committed token, a block read twice in one round (the verified prefix
-    and the shadow drafts of the whole block) routes and accepts the same, and a prompt sent
-    again replays its routes."""
+    A sequence's committed tokens are drawn once each, in order, and every block that covers one
+    routes what was drawn there: a round's anchor and accepted drafts are the committed tokens
+    at their positions; its rejected drafts are other tokens, drawn afresh after them (the
+    token committed at the first rejected position is the next round's anchor). So a round
+    read twice (its verified prefix, and the shadow drafts of the whole block) routes its
+    committed tokens and accepts the same, the next block starts from the last committed
+    token, and a prompt sent again replays its routes.
+    """
 
     def __init__(
         self,
@@ -199,10 +201,17 @@ class ZipfRouting:
         self._prompts: dict[int, tuple[int, Union]] = {}  # sequence -> (prompt tokens, its union)
         self._offsets: dict[int, int] = {}  # sequence -> the recorded round its round 0 replays
         self._outputs: dict[int, list[np.ndarray]] = {}  # sequence -> [L, k] ids of each output position drawn
+        self._drafts: dict[int, np.random.Generator] = {}  # sequence -> the draws of its rejected drafts
 
     def _draw(self, seq: int, n: int) -> np.ndarray:
-        """[n, L, k] expert ids of the sequence's next n tokens."""
+        """[n, L, k] expert ids of the sequence's next n committed tokens (prompt, then output)."""
         rng, last = self._state.get(seq) or (np.random.default_rng((self.seed, seq)), None)
+        ids = self._chain(rng, last, n)
+        self._state[seq] = (rng, ids[-1] if n else last)
+        return ids
+
+    def _chain(self, rng: np.random.Generator, last: np.ndarray | None, n: int) -> np.ndarray:
+        """[n, L, k] expert ids of n tokens drawn one after another, after a token that routed `last`."""
         gumbel = rng.gumbel(size=(n, self.layers, self.experts))
         fresh = np.argpartition(-(self.log_p + gumbel), self.top_k - 1, axis=-1)[..., : self.top_k]  # [n, L, k]
         keep = rng.random((n, self.layers)) < self.locality  # [n, L]
@@ -210,7 +219,6 @@ class ZipfRouting:
             if last is not None:
                 fresh[t][keep[t]] = last[keep[t]]
             last = fresh[t]
-        self._state[seq] = (rng, last)
         return fresh
 
     def _union(self, ids: np.ndarray) -> Union:
@@ -235,14 +243,16 @@ class ZipfRouting:
         return drawn[start : start + n]
 
     def round(self, seq: int, index: int, tokens: int, start: int) -> Round:
-        positions = tuple(self._union(ids[None]) for ids in self._positions(seq, start, tokens))
-        union = frozenset().union(*positions)
-        if seq not in self._offsets:  # drawn after the sequence's first positions
+        self._positions(seq, start, 1)  # the anchor, drawn before the sequence's acceptance offset
+        if seq not in self._offsets:
             self._offsets[seq] = int(self._state[seq][0].integers(len(self.acceptance)))
-        accepted = int(self.acceptance[(self._offsets[seq] + index) % len(self.acceptance)])
-        return Round(
-            tokens=tokens, acceptance_length=min(tokens, accepted), actual=union, projected=union, positions=positions
-        )
+        accepted = min(tokens, int(self.acceptance[(self._offsets[seq] + index) % len(self.acceptance)]))
+        committed = self._positions(seq, start, accepted)  # the anchor and the accepted drafts
+        drafts = self._drafts.setdefault(seq, np.random.default_rng((self.seed, seq, 1)))
+        rejected = self._chain(drafts, committed[-1], tokens - accepted)
+        positions = tuple(self._union(ids[None]) for ids in [*committed, *rejected])
+        union = frozenset().union(*positions)
+        return Round(tokens=tokens, acceptance_length=accepted, actual=union, projected=union, positions=positions)
 
 
 class RoutingRecorder:
