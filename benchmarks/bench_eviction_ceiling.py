@@ -26,10 +26,10 @@ schedule: the cohort in service keeps its experts cached while it runs). Each sc
 accesses are replayed as above; the figure is misses per committed token. Besides the
 recorded autoregressive and speculative (blocks of 8) runs, `block-2` and `block-4` verify
 shorter fixed blocks, and `oracle` is the best any choice of block lengths could reach with
-this drafter: every round verifies exactly the tokens it commits (`recorded_rounds`).
+this drafter: every round verifies exactly the tokens it commits (pdflash.bench.regrouping).
 
     python benchmarks/bench_eviction_ceiling.py --configs ar,dflash-token,adaptive --concurrency 1 16 32
-    python benchmarks/bench_eviction_ceiling.py --cohorts docs/data/routing-dfe2a08.json.gz --concurrency 16 32
+    python benchmarks/bench_eviction_ceiling.py --cohorts docs/data/routing-dfe2a08.json.gz --concurrency 1 4 16
 """
 
 from __future__ import annotations
@@ -39,124 +39,33 @@ import json
 import os
 import platform
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from tqdm import tqdm
 
 from pdflash.bench.configs import parse_configs
+from pdflash.bench.paging import REPLAYED, Access, RecordingPolicy, replay
 from pdflash.bench.profiles import TimeScale, get_profile
-from pdflash.bench.routing import TraceRouting
+from pdflash.bench.regrouping import KINDS, batch_accesses, clients, recorded_rounds, schedule
 from pdflash.bench.runner import BenchPlan, engine_recipe, measure_ar_step_s, run_point, token_routed_bytes
 from pdflash.bench.workload import humaneval_prompts
 from pdflash.bundled import default_drafter, default_target
 from pdflash.engine.async_engine import AsyncEngine
 from pdflash.offload.device_cache import OffloadedExperts
-from pdflash.offload.eviction import EvictionPolicy, make_policy
 from pdflash.sampling import SamplingParams
 from pdflash.target.config import ModelConfig
-from pdflash.target.experts import ExpertKey
 from pdflash.target.tokenizer import TextTokenizer
 
-Access = tuple[int, tuple[int, ...]]  # (MoE layer, routed experts of one forward at that layer)
-REPLAYED = ("lru", "activation", "next-launch", "opt")
-COHORT_KINDS = ("autoregressive", "block-2", "block-4", "speculative", "oracle")
 SPLIT_KINDS = ("autoregressive", "speculative")  # the kinds also replayed in cohorts
 QUANTA = (1, 4, 16, 10**9)  # rounds a cohort runs per turn (10**9: until its sequences end)
-
-
-class RecordingPolicy:
-    """The engine's own eviction policy, unchanged, that also writes down every forward's request."""
-
-    def __init__(self, inner: EvictionPolicy, trace: list[Access]) -> None:
-        self.inner, self.trace, self.name = inner, trace, inner.name
-
-    def observe(self, layer: int, union: Iterable[int]) -> None:
-        union = tuple(union)
-        self.trace.append((layer, union))
-        self.inner.observe(layer, union)
-
-    def forget(self, key: ExpertKey) -> None:
-        self.inner.forget(key)
-
-    def score(self, key: ExpertKey) -> tuple:
-        return self.inner.score(key)
-
-
-def replay(trace: Sequence[Access], slots: int, policy: str, layers: int) -> int:
-    """Misses of demand paging `trace` on `slots` slots under `policy` (one of REPLAYED)."""
-    online = make_policy("lru" if policy == "lru" else "activation") if policy != "opt" else None
-    uses: dict[ExpertKey, list[int]] = {}  # key -> indices of the accesses that route it
-    for i, (layer, union) in enumerate(trace):
-        for expert in union:
-            uses.setdefault((layer, expert), []).append(i)
-    seen = dict.fromkeys(uses, 0)  # key -> its uses so far
-    cache: set[ExpertKey] = set()
-    misses = 0
-    for i, (layer, union) in enumerate(trace):
-        keys = [(layer, expert) for expert in union]
-        if online is not None:
-            online.observe(layer, union)
-        for key in keys:
-            seen[key] += 1
-        victim_key = _victim_rule(policy, online, uses, seen, trace[i + 1 : i + 1 + layers])
-        for key in keys:
-            if key in cache:
-                continue
-            misses += 1
-            if len(cache) >= slots:
-                candidates = [c for c in cache if c[0] != layer or c[1] not in union]  # this forward pins its own
-                if not candidates:
-                    continue  # every slot is pinned: the expert streams through without staying
-                victim = min(candidates, key=victim_key)
-                cache.discard(victim)
-                if online is not None:
-                    online.forget(victim)
-            cache.add(key)
-    return misses
-
-
-def _victim_rule(
-    policy: str,
-    online: EvictionPolicy | None,
-    uses: dict[ExpertKey, list[int]],
-    seen: dict[ExpertKey, int],
-    ahead: Sequence[Access],
-) -> Callable[[ExpertKey], tuple]:
-    """The key whose smallest value is evicted first, at the current access."""
-    if policy == "opt":  # furthest next use first (never used again: first of all)
-        never = len(seen) + sum(len(u) for u in uses.values())
-        return lambda key: (-(uses[key][seen[key]] if seen[key] < len(uses[key]) else never),)
-    assert online is not None
-    if policy == "next-launch":
-        soon = {(layer, expert) for layer, union in ahead for expert in union}
-        return lambda key: (key in soon, *online.score(key))
-    return online.score
-
-
-def schedule(rounds: Sequence[int], cohort: int, quantum: int) -> list[list[tuple[int, int]]]:
-    """Batched forwards, each a list of (sequence, round index): sequences in cohorts of `cohort`
-    taking turns of `quantum` rounds (cohort >= len(rounds): every live sequence, every forward)."""
-    groups = [range(i, min(len(rounds), i + cohort)) for i in range(0, len(rounds), cohort)]
-    done = [0] * len(rounds)
-    forwards = []
-    while any(d < n for d, n in zip(done, rounds, strict=True)):
-        for group in groups:
-            for _ in range(quantum):
-                live = [s for s in group if done[s] < rounds[s]]
-                if not live:
-                    break
-                forwards.append([(s, done[s]) for s in live])
-                for s in live:
-                    done[s] += 1
-    return forwards
 
 
 def cohort_rows(path: str, concurrency: Sequence[int], slots: int, layers: int, *, split: bool) -> list[dict]:
     """Misses per committed token of every (trace kind, n, cohort, quantum) schedule of the trace at
     `path` on `slots` slots (`split` False: every sequence together only)."""
     rows = []
-    for kind in COHORT_KINDS:
+    for kind in KINDS:
         recorded = recorded_rounds(path, kind, layers)
         for n in concurrency:
             if n > len(recorded):
@@ -171,7 +80,7 @@ def cohort_rows(path: str, concurrency: Sequence[int], slots: int, layers: int, 
                     accesses = [
                         access
                         for forward in schedule(rounds, cohort, quantum)
-                        for access in _forwards([served[s][k] for s, k in forward], layers)
+                        for access in batch_accesses([served[s][k] for s, k in forward], layers)
                     ]
                     misses = {p: replay(accesses, slots, p, layers) for p in ("activation", "opt")}
                     rows.append(
@@ -188,72 +97,6 @@ def cohort_rows(path: str, concurrency: Sequence[int], slots: int, layers: int, 
     return rows
 
 
-Layered = list[set[int]]  # [MoE layers] experts routed at each layer
-Round = tuple[Layered, int, Layered | None]  # routed, tokens committed, its sequence's prefill (first round only)
-
-
-def recorded_rounds(path: str, kind: str, layers: int) -> list[list[Round]]:
-    """Per recorded sequence (those with rounds), its rounds; the first carries the prefill's routes.
-
-    "autoregressive" and "speculative" are the recorded rounds. "block-b" verifies blocks of b
-    and "oracle" exactly the tokens each round commits (its recorded speculative acceptance
-    length: no rejected draft, the best any choice of block lengths could do with this
-    drafter); both route what the autoregressive run routed at the positions they cover and
-    commit min(b, the recorded acceptance), as the simulator's adaptive replay does
-    (pdflash.bench.routing.TraceRouting).
-    """
-    if kind in ("autoregressive", "speculative"):
-        trace = TraceRouting.load(path, kind)
-        return [
-            [
-                (
-                    _layered(r["actual"], layers),
-                    r["acceptance_length"],
-                    _layered(s["prefill_union"], layers) if k == 0 else None,
-                )
-                for k, r in enumerate(s["rounds"])
-            ]
-            for s in trace.sequences
-            if s["rounds"]
-        ]
-    block = None if kind == "oracle" else int(kind.removeprefix("block-"))
-    trace = TraceRouting.load(path, "adaptive")
-    out = []
-    for i, (spec, ar) in enumerate(zip(trace.sequences, trace.positional, strict=True)):
-        if not spec["rounds"] or not ar["rounds"]:
-            continue
-        rounds, start, k = [], 0, 0
-        while start < len(ar["rounds"]):
-            recorded = spec["rounds"][k % len(spec["rounds"])]["acceptance_length"]
-            r = trace.round(i, k, recorded if block is None else block, start)
-            prefill = _layered(spec["prefill_union"], layers) if k == 0 else None
-            rounds.append((_layered(r.actual, layers), r.acceptance_length, prefill))
-            start, k = start + r.acceptance_length, k + 1
-        out.append(rounds)
-    return out
-
-
-def clients(recorded: list[list[Round]], n: int) -> list[list[Round]]:
-    """`n` closed-loop clients: client i runs recorded sequences i, i + n, i + 2n, ... one after another."""
-    return [[r for rounds in recorded[i::n] for r in rounds] for i in range(n)]
-
-
-def _forwards(batch: list[Round], layers: int) -> list[Access]:
-    """The cache requests of one batched round: the prefills of the sequences it starts (one
-    forward before it, as the engine prefills before a sequence's first verify), then the round."""
-    prefills = [p for _, _, p in batch if p is not None]
-    parts = ([prefills] if prefills else []) + [[routes for routes, _, _ in batch]]
-    return [(layer, tuple(sorted(set().union(*(r[layer] for r in part))))) for part in parts for layer in range(layers)]
-
-
-def _layered(pairs: Iterable[Sequence[int]], layers: int) -> Layered:
-    """[layers] the experts a recorded round routed at each MoE layer."""
-    by_layer: Layered = [set() for _ in range(layers)]
-    for layer, expert in pairs:
-        by_layer[layer].add(expert)
-    return by_layer
-
-
 def print_shares(rows: list[dict], total: int) -> None:
     """Every kind against plain decoding, all sequences together, at each cache size."""
     together = {
@@ -261,7 +104,7 @@ def print_shares(rows: list[dict], total: int) -> None:
         for r in rows
         if r["cohort"] == r["concurrency"]
     }
-    kinds = [k for k in COHORT_KINDS if k != "autoregressive"]
+    kinds = [k for k in KINDS if k != "autoregressive"]
     print(f"\n| cache share (slots) | n | AR misses / token | AR ÷ {' | AR ÷ '.join(kinds)} |")
     print("|---|---|---|" + "---|" * len(kinds))
     for slots, n in sorted({(s, n) for s, n, _ in together}):
