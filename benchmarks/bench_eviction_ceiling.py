@@ -13,7 +13,7 @@ on the same number of slots (a forward pins its own union; prefetches left out) 
   online policy beats on that trace.
 
 `activation ÷ opt` misses is the ceiling of what caching alone can still cut from the bytes
-fetched per token at that point. `union` is the mean share of a layer's experts one forward
+fetched per token at that point. "Union share" is the mean share of a layer's experts one forward
 routes: near 1, a batch needs the whole layer whatever is cached.
 
 `--cohorts TRACE` asks the same of admission, offline, over a routing trace that `pdflash bench
@@ -71,7 +71,7 @@ def cohort_rows(path: str, concurrency: Sequence[int], slots: int, layers: int, 
             if n > len(recorded):
                 raise SystemExit(f"--concurrency {n}: {path} holds only {len(recorded)} {kind} sequences")
             served = clients(recorded, n)
-            rounds, tokens = [len(r) for r in served], sum(committed for c in served for _, committed, _ in c)
+            rounds, tokens = [len(r) for r in served], sum(r.committed_tokens for c in served for r in c)
             cohorts = (
                 sorted({n, max(1, n // 2), max(1, n // 4)}, reverse=True) if split and kind in SPLIT_KINDS else [n]
             )
@@ -97,13 +97,18 @@ def cohort_rows(path: str, concurrency: Sequence[int], slots: int, layers: int, 
     return rows
 
 
-def print_shares(rows: list[dict], total: int) -> None:
-    """Every kind against plain decoding, all sequences together, at each cache size."""
-    together = {
+def _together(rows: list[dict]) -> dict[tuple[int, int, str], float]:
+    """(slots, n, kind) -> misses per token under activation, every sequence together."""
+    return {
         (r["slots"], r["concurrency"], r["kind"]): r["misses_per_token"]["activation"]
         for r in rows
         if r["cohort"] == r["concurrency"]
     }
+
+
+def print_shares(rows: list[dict], total: int) -> None:
+    """Every kind against plain decoding, all sequences together, at each cache size."""
+    together = _together(rows)
     kinds = [k for k in KINDS if k != "autoregressive"]
     print(f"\n| cache share (slots) | n | AR misses / token | AR ÷ {' | AR ÷ '.join(kinds)} |")
     print("|---|---|---|" + "---|" * len(kinds))
@@ -120,11 +125,7 @@ def plot_shares(rows: list[dict], total: int, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    together = {
-        (r["slots"], r["concurrency"], r["kind"]): r["misses_per_token"]["activation"]
-        for r in rows
-        if r["cohort"] == r["concurrency"]
-    }
+    together = _together(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for n in sorted({n for _, n, _ in together}):
         for kind, style in (("oracle", "-"), ("speculative", "--")):

@@ -3,7 +3,7 @@ clients, cohort schedules and the accesses of a batched round, on a hand-written
 
 import pytest
 
-from pdflash.bench.regrouping import batch_accesses, clients, layered, recorded_rounds, schedule
+from pdflash.bench.regrouping import ReplayRound, batch_accesses, clients, layered, recorded_rounds, schedule
 from pdflash.bench.routing import write_traces
 
 # one sequence, two MoE layers; the autoregressive run routed expert p at layer 0 and 10 + p at layer 1
@@ -32,33 +32,33 @@ def trace(tmp_path):
 
 def test_recorded_kinds_are_the_recorded_rounds(trace):
     [ar] = recorded_rounds(trace, "autoregressive", layers=2)
-    assert [committed for _, committed, _ in ar] == [1, 1, 1, 1]
-    assert ar[2][0] == [{2}, {12}]
-    assert ar[0][2] == [{30}, {31}] and all(prefill is None for _, _, prefill in ar[1:])
+    assert [r.committed_tokens for r in ar] == [1, 1, 1, 1]
+    assert ar[2].routed == [{2}, {12}]
+    assert ar[0].prefill == [{30}, {31}] and all(r.prefill is None for r in ar[1:])
     [spec] = recorded_rounds(trace, "speculative", layers=2)
-    assert [(routes, committed) for routes, committed, _ in spec] == [([{20}, {21}], 2), ([{22}, {23}], 2)]
+    assert [(r.routed, r.committed_tokens) for r in spec] == [([{20}, {21}], 2), ([{22}, {23}], 2)]
 
 
 def test_the_oracle_verifies_exactly_what_each_round_commits(trace):
     [oracle] = recorded_rounds(trace, "oracle", layers=2)
     # two rounds of 2, routing the autoregressive run's tokens 0-1, then 2-3
-    assert [(routes, committed) for routes, committed, _ in oracle] == [
+    assert [(r.routed, r.committed_tokens) for r in oracle] == [
         ([{0, 1}, {10, 11}], 2),
         ([{2, 3}, {12, 13}], 2),
     ]
-    assert oracle[0][2] == [{30}, {31}]
+    assert oracle[0].prefill == [{30}, {31}]
 
 
 def test_a_fixed_block_routes_its_rejected_positions_too(trace):
     [block] = recorded_rounds(trace, "block-4", layers=2)
     # round 0 covers tokens 0-3 and commits 2; round 1 from token 2 covers 2-3 (the run's last token
     # stands in past its end) and commits 2: the run is covered
-    assert [(routes, committed) for routes, committed, _ in block] == [
+    assert [(r.routed, r.committed_tokens) for r in block] == [
         ([{0, 1, 2, 3}, {10, 11, 12, 13}], 2),
         ([{2, 3}, {12, 13}], 2),
     ]
     [plain] = recorded_rounds(trace, "block-1", layers=2)
-    assert [committed for _, committed, _ in plain] == [1, 1, 1, 1]
+    assert [r.committed_tokens for r in plain] == [1, 1, 1, 1]
 
 
 def test_an_unknown_kind_is_refused(trace):
@@ -67,8 +67,8 @@ def test_an_unknown_kind_is_refused(trace):
 
 
 def test_clients_run_their_share_of_the_sequences_one_after_another():
-    rounds = [[("a", 1, None)], [("b", 1, None)], [("c", 1, None)]]
-    assert clients(rounds, 2) == [[("a", 1, None), ("c", 1, None)], [("b", 1, None)]]
+    a, b, c = (ReplayRound([{e}], 1) for e in range(3))
+    assert clients([[a], [b], [c]], 2) == [[a, c], [b]]
 
 
 def test_schedule_together_and_in_cohorts():
@@ -80,7 +80,7 @@ def test_schedule_together_and_in_cohorts():
 
 
 def test_a_batch_that_starts_sequences_prefills_them_first():
-    first = (layered([[0, 1], [1, 2]], 2), 1, layered([[0, 7], [1, 8]], 2))
-    later = (layered([[0, 3], [1, 2]], 2), 2, None)
+    first = ReplayRound(layered([[0, 1], [1, 2]], 2), 1, prefill=layered([[0, 7], [1, 8]], 2))
+    later = ReplayRound(layered([[0, 3], [1, 2]], 2), 2)
     assert batch_accesses([first, later], layers=2) == [(0, (7,)), (1, (8,)), (0, (1, 3)), (1, (2,))]
     assert batch_accesses([later], layers=2) == [(0, (3,)), (1, (2,))]

@@ -13,15 +13,27 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import attrs
+
 from pdflash.bench.paging import Access
 from pdflash.bench.routing import TraceRouting
 
 Layered = list[set[int]]  # [MoE layers] experts routed at each layer
-Round = tuple[Layered, int, Layered | None]  # routed, tokens committed, its sequence's prefill (first round only)
+
+
+@attrs.frozen
+class ReplayRound:
+    """One round of a sequence, as a replay needs it."""
+
+    routed: Layered  # what its verify routed
+    committed_tokens: int
+    prefill: Layered | None = None  # its sequence's prefill routes, on the sequence's first round only
+
+
 KINDS = ("autoregressive", "block-2", "block-4", "speculative", "oracle")
 
 
-def recorded_rounds(path: Path | str, kind: str, layers: int) -> list[list[Round]]:
+def recorded_rounds(path: Path | str, kind: str, layers: int) -> list[list[ReplayRound]]:
     """Per recorded sequence (those with rounds), its rounds; the first carries the prefill's routes.
 
     "autoregressive" and "speculative" are the recorded rounds. "block-b" verifies blocks of b
@@ -35,7 +47,7 @@ def recorded_rounds(path: Path | str, kind: str, layers: int) -> list[list[Round
         trace = TraceRouting.load(path, kind)
         return [
             [
-                (
+                ReplayRound(
                     layered(r["actual"], layers),
                     r["acceptance_length"],
                     layered(s["prefill_union"], layers) if k == 0 else None,
@@ -53,19 +65,19 @@ def recorded_rounds(path: Path | str, kind: str, layers: int) -> list[list[Round
     for i, (spec, ar) in enumerate(zip(trace.sequences, trace.positional, strict=True)):
         if not spec["rounds"] or not ar["rounds"]:
             continue
-        rounds: list[Round] = []
+        rounds: list[ReplayRound] = []
         start, k = 0, 0
         while start < len(ar["rounds"]):
             recorded = spec["rounds"][k % len(spec["rounds"])]["acceptance_length"]
             r = trace.round(i, k, recorded if block is None else block, start)
             prefill = layered(spec["prefill_union"], layers) if k == 0 else None
-            rounds.append((layered(r.actual, layers), r.acceptance_length, prefill))
+            rounds.append(ReplayRound(layered(r.actual, layers), r.acceptance_length, prefill))
             start, k = start + r.acceptance_length, k + 1
         out.append(rounds)
     return out
 
 
-def clients(recorded: Sequence[list[Round]], n: int) -> list[list[Round]]:
+def clients(recorded: Sequence[list[ReplayRound]], n: int) -> list[list[ReplayRound]]:
     """`n` closed-loop clients: client i runs recorded sequences i, i + n, i + 2n, ... one after another."""
     return [[r for rounds in recorded[i::n] for r in rounds] for i in range(n)]
 
@@ -89,11 +101,11 @@ def schedule(rounds: Sequence[int], cohort: int, quantum: int) -> list[list[tupl
     return forwards
 
 
-def batch_accesses(batch: Sequence[Round], layers: int) -> list[Access]:
+def batch_accesses(batch: Sequence[ReplayRound], layers: int) -> list[Access]:
     """The cache requests of one batched round: the prefills of the sequences it starts (one
     forward before it, as the engine prefills before a sequence's first verify), then the round."""
-    prefills = [p for _, _, p in batch if p is not None]
-    parts = ([prefills] if prefills else []) + [[routes for routes, _, _ in batch]]
+    prefills = [r.prefill for r in batch if r.prefill is not None]
+    parts = ([prefills] if prefills else []) + [[r.routed for r in batch]]
     return [(layer, tuple(sorted(set().union(*(r[layer] for r in part))))) for part in parts for layer in range(layers)]
 
 
