@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     ar_step_s = measure_ar_step_s(target, pool[:4])
     scale = TimeScale.for_profile(profile, ar_step_s=ar_step_s, token_routed_bytes=token_routed_bytes(target))
+    if args.cache_share is not None:  # another cache on the same link (checked by commands.check_positive)
+        scale = attrs.evolve(scale, cache_fraction=args.cache_share)
     plan = BenchPlan(
         target=target,
         drafter=drafter,

@@ -74,6 +74,13 @@ def register_subcommands(sub) -> None:
     bench.add_argument("--target", type=Path, help="target directory (default: the bundled trained pair)")
     bench.add_argument("--drafter", type=Path, help="DFlash drafter directory (default: the bundled one)")
     _common(bench, [1, 4, 16, 32], BENCH_CONFIGS)
+    bench.add_argument(
+        "--cache-share",
+        type=float,
+        metavar="F",
+        help="device cache as a share of all experts, in (0, 1], instead of the profile's budget share "
+        "(the link's time scale is unchanged)",
+    )
     bench.add_argument("--device", default="cpu", help="device the engines run on (cpu, cuda; default cpu)")
     bench.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default 64)")
     bench.add_argument("--prompts", type=int, default=32, help="HumanEval headers in the pool (default 32)")
@@ -160,6 +167,9 @@ def check_positive(args: argparse.Namespace) -> None:
     cache = getattr(args, "expert_cache_bytes", None)
     if cache is not None and cache <= 0:
         raise ValueError(f"--expert-cache-bytes={cache} is invalid: it must be > 0")
+    share = getattr(args, "cache_share", None)
+    if share is not None and not 0 < share <= 1:
+        raise ValueError(f"--cache-share={share} is invalid: it is the device cache's share of all experts, in (0, 1]")
 
 
 def _progress(total: int, desc: str, quiet: bool):
