@@ -158,7 +158,7 @@ POSITIVE = (
 
 
 def check_positive(args: argparse.Namespace) -> None:
-    """Counts must be >= 1: say which flag and what it got."""
+    """Counts must be >= 1, cache sizes > 0 and a cache share in (0, 1]: say which flag and what it got."""
     for name in POSITIVE:
         value = getattr(args, name, None)
         for v in value if isinstance(value, list) else [value]:
