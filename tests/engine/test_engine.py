@@ -395,6 +395,8 @@ def test_budgets_that_can_never_admit_a_block_are_rejected_at_start(make_engine)
         make_engine(**ok | {"verify_byte_budget": 0})
     with pytest.raises(ValueError, match="charge_mode='cheap' is not one of"):
         make_engine(charge_mode="cheap")
+    with pytest.raises(ValueError, match="drafter_lane='both' is not one of 'auto', 'own', 'shared'"):
+        make_engine(drafter_lane="both")
 
 
 # --- backpressure and streams --------------------------------------------------------------

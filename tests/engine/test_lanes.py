@@ -1,11 +1,15 @@
 """Lanes and one-off model work off the event loop's thread: thread counts, results, errors."""
 
 import threading
+import time
 
+import anyio
 import pytest
 import torch
 
-from pdflash.engine.lanes import Lane, off_thread
+from pdflash.engine.lanes import BatchLane, Lane, drafter_has_own_lane, lane_threads, off_thread
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no device
 
 
 def test_a_lane_uses_the_torch_thread_count_of_the_thread_that_created_it():
@@ -30,3 +34,44 @@ def test_off_thread_runs_elsewhere_and_returns_or_raises():
 
     with pytest.raises(ValueError, match="boom"):
         off_thread(fail)
+
+
+@pytest.mark.parametrize(
+    ("device", "offloaded", "threads", "own"),
+    [
+        (CPU, False, 1, True),  # its lane adds a thread: the target keeps its one
+        (CPU, False, 2, False),  # its lane would halve every verify's threads
+        (CPU, False, 3, False),
+        (CPU, False, 4, True),  # a quarter at most: kept (not measured)
+        (CPU, True, 2, True),  # offloaded: drafts fill a verify's waits on the link
+        (CUDA, False, 2, True),  # a stream of its own, no thread taken
+    ],
+)
+def test_auto_shares_the_target_lane_only_resident_on_a_cpu_of_two_or_three_threads(device, offloaded, threads, own):
+    assert drafter_has_own_lane("auto", device=device, offloaded=offloaded, threads=threads) is own
+    assert lane_threads(threads, drafter=own) == ((max(1, threads - 1), 1) if own else (threads, 0))
+
+
+def test_own_and_shared_are_what_they_say_and_anything_else_is_refused():
+    for device, offloaded, threads in [(CPU, False, 2), (CPU, True, 1), (CUDA, False, 8)]:
+        assert drafter_has_own_lane("own", device=device, offloaded=offloaded, threads=threads)
+        assert not drafter_has_own_lane("shared", device=device, offloaded=offloaded, threads=threads)
+    with pytest.raises(ValueError, match="drafter_lane='both' is not one of 'auto', 'own', 'shared'"):
+        drafter_has_own_lane("both", device=CPU, offloaded=False, threads=2)
+
+
+@pytest.mark.asyncio
+async def test_a_batch_lane_counts_the_seconds_its_calls_ran_not_their_wait_for_the_lane():
+    lane = Lane("shared", CPU)
+    drafts = BatchLane(lane, lambda items: [time.sleep(0.02) or i for i in items], name="draft")
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(drafts.serve)
+            blocker = lane.submit(time.sleep, 0.2)  # another lane user runs first: the batch waits for it
+            assert await drafts.submit(7) == 7
+            assert blocker.done()
+            tg.cancel_scope.cancel()
+    finally:
+        lane.close()
+    assert 0.02 <= drafts.busy_s < 0.15  # its own call, not the 0.2 s it waited behind
+    assert lane.busy_s >= 0.22

@@ -209,9 +209,29 @@ async def test_lanes_get_thread_counts_that_do_not_oversubscribe(make_engine):
         running = engine._running
         assert running is not None and running.drafter is not None
         threads = running.target.threads + running.drafter.threads
+        assert engine.stats().drafter_lane == "own"  # the suite runs at 1 thread: a lane adds one
     import torch
 
     assert threads == max(2, torch.get_num_threads())
+
+
+@pytest.mark.asyncio
+async def test_a_shared_drafter_lane_runs_drafts_and_verifies_on_the_target_lane_with_every_thread(
+    make_engine, reference
+):
+    async with make_engine(speculation="fixed", drafter_lane="shared") as engine:
+        running = engine._running
+        assert running is not None and running.drafter is None and running.draft.lane is running.target
+        import torch
+
+        assert running.target.threads == torch.get_num_threads()
+        results = await run_staggered(engine, PROMPTS, PROMPTS[::-1])
+        drafted_s, calls = running.draft.busy_s, running.target.calls
+        stats = await drained(engine)
+    assert results == [reference(p, LONG) for p in PROMPTS + PROMPTS[::-1]]
+    assert stats.drafter_lane == "shared" and stats.mean_acceptance_length > 0
+    assert running.draft.batches > 0 and 0 < drafted_s < stats.model_s  # drafts timed apart from verifies
+    assert calls > running.draft.batches  # verifies (and prefills) ran on the same lane
 
 
 @pytest.mark.asyncio

@@ -29,7 +29,7 @@ import torch
 
 from pdflash.engine.builder import BUILD_OPTIONS, OffloadProvider, build_engine_parts
 from pdflash.engine.config import EngineConfig
-from pdflash.engine.lanes import BatchLane, Lane, lane_threads
+from pdflash.engine.lanes import BatchLane, Lane, drafter_has_own_lane, lane_threads
 from pdflash.engine.outputs import RequestOutput, TextStream
 from pdflash.engine.pacer import DerivedBudgets, VerifyPacer
 from pdflash.engine.requests import prompt_token_ids
@@ -59,7 +59,7 @@ class _Running:
 
     task_group: anyio.abc.TaskGroup
     target: Lane  # prefill, verify (and drafts without a drafter)
-    drafter: Lane | None  # drafter forwards and route projection, on their own thread
+    drafter: Lane | None  # drafter forwards and route projection, on their own thread (None: on the target's)
     prefill: BatchLane[Sequence, SpecSession]
     draft: BatchLane[Sequence, DraftResult]  # blocks the drafter drafts (on the drafter lane when there is one)
     plain: BatchLane[Sequence, DraftResult]  # plain-decoding rounds (a block of 1): target work only
@@ -102,6 +102,16 @@ class AsyncEngine:
             provider.link_bytes_per_s if provider is not None else None,
         )
         self._work = RoundWork(speculator, self.planner)
+        # "own" | "shared" (the target's) | None: no drafter; torch's thread count now decides "auto"
+        self.drafter_lane = None
+        if speculator.drafter is not None:
+            own = drafter_has_own_lane(
+                self.config.drafter_lane,
+                device=speculator.target.device,
+                offloaded=provider is not None,
+                threads=torch.get_num_threads(),
+            )
+            self.drafter_lane = "own" if own else "shared"
         self._derived = None
         if self.scheduling == "derived" and provider is not None:
             self._derived = DerivedBudgets(
@@ -132,7 +142,12 @@ class AsyncEngine:
         build = {name: options.pop(name) for name in BUILD_OPTIONS if name in options}
         engine_config = EngineConfig(**options)
         parts = build_engine_parts(
-            target, drafter, byte_budgets=engine_config.two_dimensional, max_batch=engine_config.max_num_seqs, **build
+            target,
+            drafter,
+            byte_budgets=engine_config.two_dimensional,
+            max_batch=engine_config.max_num_seqs,
+            drafter_lane=engine_config.drafter_lane,
+            **build,
         )
         try:
             engine = cls(parts.speculator, parts.tokenizer, engine_config, provider=parts.provider)
@@ -151,15 +166,15 @@ class AsyncEngine:
             raise EngineClosedError("an engine runs once: create a new one instead of re-entering it")
         self._entered = True
         device = self.speculator.target.device
-        target_threads, drafter_threads = lane_threads(
-            torch.get_num_threads(), drafter=self.speculator.drafter is not None
-        )
+        own_lane = self.drafter_lane == "own"
+        target_threads, drafter_threads = lane_threads(torch.get_num_threads(), drafter=own_lane)
         busy = BusyClock()
         target = Lane("target", device, target_threads, busy)
         drafter = Lane("drafter", device, drafter_threads, busy) if drafter_threads else None
         if self.provider is not None:
             self.provider.watch_busy(busy)
         work = self._work
+        draft = BatchLane(drafter or target, work.draft_rounds, name="draft", isolation=ROUND_ISOLATION)
         running = _Running(
             task_group=anyio.create_task_group(),
             target=target,
@@ -171,10 +186,10 @@ class AsyncEngine:
                 cost=lambda s: len(s.prompt_ids),
                 max_cost=self.config.prefill_token_budget,
             ),
-            draft=BatchLane(drafter or target, work.draft_rounds, name="draft", isolation=ROUND_ISOLATION),
+            draft=draft,
             plain=BatchLane(target, work.draft_rounds, name="plain", isolation=ROUND_ISOLATION),
             pacer=VerifyPacer(
-                self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs, self.planner, drafter
+                self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs, self.planner, draft
             ),
             busy=busy,
         )

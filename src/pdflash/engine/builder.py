@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from pdflash.bundled import default_drafter, default_target
-from pdflash.engine.lanes import lane_threads, off_thread
+from pdflash.engine.lanes import drafter_has_own_lane, lane_threads, off_thread
 from pdflash.measure import BusyClock
 from pdflash.spec.drafter import load_drafter
 from pdflash.spec.projection import RouteHead, make_projector, route_head_path
@@ -69,6 +69,7 @@ def build_engine_parts(
     byte_budgets: bool = False,
     compile: bool = False,
     max_batch: int = BATCH_BUCKETS[-1],
+    drafter_lane: str = "auto",
 ) -> EngineParts:
     """Load a target (no target: the bundled pair) and optionally a DFlash drafter.
 
@@ -79,6 +80,7 @@ def build_engine_parts(
     to the router pass; otherwise to the free last-union (docs/speculative.md measures them).
     `compile` runs decode, verify and draft steps of up to `max_batch` sequences as compiled
     static-shape steps, compiled here (warm-up, docs/compile.md); without it every forward is eager.
+    `drafter_lane` (EngineConfig's) says whose thread count the drafter's steps are compiled for.
     """
     if target is None:  # the bundled pair
         target, drafter = default_target(), drafter or default_drafter(default_target())
@@ -110,7 +112,13 @@ def build_engine_parts(
             resident=provider.resident if provider is not None else frozenset,
         )
         if compile:  # on a thread of its own, at the lanes' thread counts (AsyncEngine.__aenter__)
-            threads = lane_threads(torch.get_num_threads(), drafter=draft_model is not None)
+            own_lane = draft_model is not None and drafter_has_own_lane(
+                drafter_lane,
+                device=torch.device(device),
+                offloaded=provider is not None,
+                threads=torch.get_num_threads(),
+            )
+            threads = lane_threads(torch.get_num_threads(), drafter=own_lane)
             off_thread(lambda: install_steps(speculator, max_batch=max_batch, threads=threads, progress=progress))
     except BaseException:
         if provider is not None:

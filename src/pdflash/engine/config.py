@@ -1,7 +1,8 @@
 """Engine configuration: frozen values, validated once.
 
 Owns what an operator sets (seats, queue, prefill budget, the four verify budgets, the charge
-mode, the starvation guard, the scheduling, speculation and ordering modes) and the verify
+mode, the starvation guard, the scheduling, speculation and ordering modes, the drafter's lane)
+and the verify
 scheduler they imply. Must not touch model work or scheduling state; what `AsyncEngine.stats()`
 reports is pdflash.engine.stats'.
 """
@@ -15,6 +16,7 @@ import attrs
 from pdflash.checks import require_int
 from pdflash.engine.admission import require_fits_cap
 from pdflash.engine.charging import ChargeMode, largest_block_union_bytes
+from pdflash.engine.lanes import DRAFTER_LANES
 from pdflash.engine.ordering import ORDERS
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.spec.policy import SPECULATION
@@ -52,6 +54,9 @@ class EngineConfig:
     # in what order a tick offers waiting verifies (pdflash.engine.ordering): "yield" (expected
     # tokens per byte, the guard's protected demands first) or "arrival"; token-only is arrival
     verify_order: str = "yield"
+    # where the drafter runs (pdflash.engine.lanes.drafter_has_own_lane): "own" lane (drafts overlap
+    # verifies), "shared" with the target, or "auto": shared only resident on a CPU of 2-3 threads
+    drafter_lane: str = "auto"
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_num_seqs", "max_waiting", "prefill_token_budget"):
@@ -67,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"speculation={self.speculation!r} is not one of {', '.join(map(repr, SPECULATION))}")
         if self.verify_order not in ORDERS:
             raise ValueError(f"verify_order={self.verify_order!r} is not one of {', '.join(map(repr, ORDERS))}")
+        if self.drafter_lane not in DRAFTER_LANES:
+            raise ValueError(f"drafter_lane={self.drafter_lane!r} is not one of {', '.join(map(repr, DRAFTER_LANES))}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling={self.scheduling!r} is not one of {', '.join(map(repr, SCHEDULING))}")
         if self.scheduling == "fixed" and not given:

@@ -13,6 +13,13 @@ the event loop's thread and forwarding on a lane cost 5.4 instead of 3.2 ms per 
 the bundled model on 2 cores. `off_thread` runs such one-off work (loading) on a thread that
 ends with it; each lane gets an explicit thread count (`lane_threads`), so that the target
 and drafter lanes together never ask for more OpenMP threads than the creator had.
+
+Whether the drafter gets a lane of its own is `drafter_has_own_lane`: its own lane lets
+sequences draft while others verify, but on the CPU its thread comes out of the target's.
+Resident on 2 cores that split halves every verify's threads for an overlap worth at most
+the drafter's share of the work, and measured 0.65-0.8x of one shared lane at 2 threads
+(docs/engine.md, "One lane or two"). Offloaded, a verify mostly waits on the link, and
+drafts beside it are what fill that wait.
 """
 
 from __future__ import annotations
@@ -50,9 +57,30 @@ def off_thread(fn: Callable[[], T]) -> T:
         return pool.submit(fn).result()
 
 
+DRAFTER_LANES = ("auto", "own", "shared")
+SHARED_UP_TO = 3  # CPU threads up to which a resident drafter shares the target lane ("auto")
+
+
+def drafter_has_own_lane(choice: str, *, device: torch.device, offloaded: bool, threads: int) -> bool:
+    """Whether the drafter runs on a lane of its own (drafts overlap verifies) or on the target's.
+
+    "own" and "shared" force it. "auto": its own lane on an accelerator (a stream of its own,
+    no thread taken), with experts offloaded (drafts fill a verify's waits on the link) or at
+    one thread (its lane adds a thread rather than taking one); resident on the CPU with 2 to
+    SHARED_UP_TO threads it shares the target lane, which then runs drafts and verifies with
+    every thread (above that, one thread is at most a quarter of the target's: not measured).
+    """
+    if choice not in DRAFTER_LANES:
+        raise ValueError(f"drafter_lane={choice!r} is not one of {', '.join(map(repr, DRAFTER_LANES))}")
+    if choice != "auto":
+        return choice == "own"
+    return device.type != "cpu" or offloaded or not 2 <= threads <= SHARED_UP_TO
+
+
 def lane_threads(total: int, *, drafter: bool) -> tuple[int, int]:
-    """(target lane, drafter lane) torch threads out of `total`: the drafter, when there is one,
-    takes one thread (its forward is a few small layers) and the target the rest, at least one."""
+    """(target lane, drafter lane) torch threads out of `total`: the drafter, when it has a lane
+    of its own, takes one thread (its forward is a few small layers) and the target the rest, at
+    least one; without one (0) the target lane has them all."""
     if not drafter:
         return max(1, total), 0
     return max(1, total - 1), 1
@@ -161,6 +189,7 @@ class BatchLane(Generic[T, R]):
         self._wake = anyio.Event()
         self.batches = 0
         self.busy = False  # a batch of this lane is running now
+        self.busy_s = 0.0  # seconds its calls ran on the lane's thread (not counting their wait for it)
 
     async def submit(self, item: T) -> R:
         job: _Job[T] = _Job(item)
@@ -198,6 +227,13 @@ class BatchLane(Generic[T, R]):
                 for job in jobs:
                     job.done.set()
 
+    def _timed(self, items: list[T]) -> list[R]:  # on the lane's thread
+        started = time.perf_counter()
+        try:
+            return self._fn(items)
+        finally:
+            self.busy_s += time.perf_counter() - started
+
     def _take(self) -> list[_Job[T]]:
         """The next batch: queued jobs in order while their cost fits (the first one always does)."""
         if self._cost is None or self._max_cost is None:
@@ -217,7 +253,7 @@ class BatchLane(Generic[T, R]):
         states = [self._isolation.capture(i) for i in items] if self._isolation and len(items) > 1 else None
         self.batches += 1
         try:
-            results = await self.lane.run(self._fn, items)
+            results = await self.lane.run(self._timed, items)
         except Exception as error:
             if len(jobs) == 1:
                 jobs[0].error = error
@@ -227,7 +263,7 @@ class BatchLane(Generic[T, R]):
                 if self._isolation is not None:
                     self._isolation.restore(job.item, state)
                 try:
-                    job.result = (await self.lane.run(self._fn, [job.item]))[0]
+                    job.result = (await self.lane.run(self._timed, [job.item]))[0]
                 except Exception as alone:
                     job.error = alone
             return

@@ -30,7 +30,7 @@ import attrs
 from pdflash.engine.admission import TokensBytes
 from pdflash.engine.builder import OffloadProvider
 from pdflash.engine.charging import UnionOf
-from pdflash.engine.lanes import Lane
+from pdflash.engine.lanes import BatchLane, Lane
 from pdflash.engine.prefetching import launch_certainty, launch_prefetches
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.engine.sequence import Sequence, SequenceState
@@ -83,9 +83,9 @@ class VerifyPacer:
         derived: DerivedBudgets | None,
         seqs: Mapping[Any, Sequence],  # by request id
         planner: SpeculationPlanner,
-        drafter: Lane | None,  # the drafter's lane (None: no drafter)
+        drafts: BatchLane,  # where drafted blocks run (its busy seconds: the time drafting took)
     ) -> None:
-        self.scheduler, self.speculator, self.lane, self.drafter = scheduler, speculator, lane, drafter
+        self.scheduler, self.speculator, self.lane, self.drafts = scheduler, speculator, lane, drafts
         self._seqs = seqs  # the engine's live sequences, by request id
         self.provider, self.derived, self.planner = provider, derived, planner
         self.stats = PacerStats()
@@ -94,7 +94,7 @@ class VerifyPacer:
         self._running: list[Sequence] = []  # the batch on the lane now
         self._next: list[Sequence] = []  # admitted by a tick, prefetching, not yet launched
         self._ended_at = 0.0  # perf_counter s when the last verify ended (its sequences draft from then)
-        self._drafted_at_end = 0.0  # the drafter lane's busy seconds when it ended
+        self._drafted_at_end = 0.0  # seconds spent drafting when it ended
         self._last_ids: set[Any] = set()  # request ids of the last launch
 
     def changed(self) -> None:
@@ -250,7 +250,7 @@ class VerifyPacer:
         return outcomes
 
     def _drafted_s(self) -> float:
-        return self.drafter.busy_s if self.drafter is not None else 0.0
+        return self.drafts.busy_s
 
     def _exposed_fetch_s(self) -> float:
         """Seconds forwards have waited on expert copies so far (0 without offloading, or unreported)."""

@@ -53,6 +53,7 @@ class EngineStats:
     in_flight_tick_share: float  # share of ticks charged against a non-empty in-flight union
     mean_acceptance_length: float  # tokens emitted per verify round, bonus included
     speculation: str  # "adaptive" | "fixed" (always "fixed" without a drafter)
+    drafter_lane: str | None  # "own" (drafts beside verifies) | "shared" (the target's lane) | None: no drafter
     block_decisions: dict[int, int]  # verify block length chosen -> rounds
     verify_batch_sizes: dict[int, int]  # sequences per batched verify -> how many such batches
     admission_wait_p50_s: float | None  # verify admission wait (scheduler window)
@@ -93,6 +94,7 @@ def engine_stats(engine: AsyncEngine) -> EngineStats:
         in_flight_tick_share=pacer.ticks_in_flight / pacer.ticks if pacer and pacer.ticks else 0.0,
         mean_acceptance_length=t.verify_tokens / t.verify_rounds if t.verify_rounds else 0.0,
         speculation=engine.planner.mode,
+        drafter_lane=engine.drafter_lane,
         block_decisions=dict(sorted(engine.planner.decisions.items())),
         verify_batch_sizes=dict(sorted(running.pacer.verify_batches.items())) if running else {},
         admission_wait_p50_s=sched.wait_p50_s,
