@@ -47,6 +47,9 @@ def test_json_contract_speculative_equals_no_spec(capsys, tiny_target, drafter_d
     emitted = [1 + sum(fixed["acceptance_lengths"][:i]) for i in range(len(fixed["block_sizes"]))]
     assert fixed["block_sizes"] == [min(4, 24 - e + 1) for e in emitted]  # the whole block, clipped at the end
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
+    shared = run_json(capsys, *common, "--block-size", "4", "--drafter-lane", "shared")
+    assert shared["token_ids"] == plain["token_ids"] and shared["stats"]["drafter_lane"] == "shared"
+    assert spec["stats"]["drafter_lane"] == "own" and plain["stats"]["drafter_lane"] is None  # 1 thread: its own
     assert plain["acceptance_lengths"] == [] or set(plain["acceptance_lengths"]) == {1}
     assert sum(spec["acceptance_lengths"]) == 23  # every token after the prefill's first comes from a round
     for key in ("mean_acceptance_length", "tokens_per_second", "projection_coverage", "projection_waste_bytes"):

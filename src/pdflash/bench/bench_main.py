@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         policy=args.eviction,
         device=args.device,
+        drafter_lane=args.drafter_lane,
     )
     recipe = engine_recipe(plan, scale)
     record: dict | None = {} if args.record_routing is not None else None

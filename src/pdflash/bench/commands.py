@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdflash.bench.configs import BASELINES
+from pdflash.cli.options import add_drafter_lane_flag
 
 DEFAULT_PROFILE = "qwen3-30b-a3b@h200-pcie5"
 BENCH_CONFIGS = ",".join(BASELINES)
@@ -93,6 +94,7 @@ def register_subcommands(sub) -> None:
     bench.add_argument("--calibrate", type=Path, metavar="FILE", help="measure per-forward costs, write FILE, stop")
     bench.add_argument("--record-routing", type=Path, metavar="FILE", help="record routing traces for simulate")
     bench.add_argument("--torch-threads", type=int, default=1, help="intra-op threads (default 1: shared cores)")
+    add_drafter_lane_flag(bench)
     bench.set_defaults(func=cmd_bench)
 
     sim = sub.add_parser(

@@ -37,6 +37,7 @@ class BenchPlan:
     repeats: int  # interleaved repeats per point; the median tokens/s one is reported
     policy: str = "activation"
     device: str = "cpu"  # where the measured engines run (the time scale is measured there too)
+    drafter_lane: str = "auto"  # EngineConfig.drafter_lane of every measured engine
 
     def requests_per_client(self, concurrency: int) -> int:
         return max(1, -(-self.min_requests // concurrency))
@@ -81,6 +82,7 @@ class EngineRecipe:
             speculation=config.speculation,
             verify_order=config.verify_order,
             projector=config.projector,
+            drafter_lane=plan.drafter_lane,
             **self.budgets(config),
         )
 

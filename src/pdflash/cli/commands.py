@@ -111,6 +111,7 @@ async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo:
             "fetch_bytes": m.fetch_bytes,
             "admission_wait_s": m.admission_wait_s,
             "finish_reason": out.finish_reason,
+            "drafter_lane": engine.drafter_lane,
         }
         | offload_stats,
     }

@@ -1,6 +1,7 @@
 """What `pdflash generate` and `serve` share: the device checked, the model and its options resolved.
 
-Owns turning the model, verify-budget and offload flags into `AsyncEngine.from_pretrained`'s
+Owns the flags every engine-building command shares that live outside the parser
+(`--drafter-lane`), turning the model, verify-budget and offload flags into `AsyncEngine.from_pretrained`'s
 options (the built-in model when no --target is given), loading the engine with them, and
 the check that --device exists on this machine. Must not run the engine.
 """
@@ -11,6 +12,21 @@ import argparse
 
 from pdflash.bundled import default_drafter, default_target
 from pdflash.cli.errors import EXIT_DEVICE, UserError
+
+
+def add_drafter_lane_flag(p: argparse.ArgumentParser) -> None:
+    """--drafter-lane, for every command that builds an engine."""
+    from pdflash.engine.lanes import DRAFTER_LANES
+
+    p.add_argument(
+        "--drafter-lane",
+        choices=DRAFTER_LANES,
+        default="auto",
+        help="where the drafter runs: a lane (thread) of its own, so sequences draft while others verify, "
+        "or shared with the target, which then runs both with every torch thread; auto shares it only "
+        "with experts resident on a CPU of 2-3 threads, where its own lane would halve each verify's "
+        "threads (default auto; docs/engine.md)",
+    )
 
 
 def check_device(device: str) -> None:
@@ -37,6 +53,7 @@ def engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
         args.drafter = args.drafter or default_drafter(args.target)
     budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
     budgets["speculation"] = args.speculation
+    budgets["drafter_lane"] = args.drafter_lane
     if args.expert_cache_bytes is None and args.expert_cache_fraction is None:
         if args.emulate_link_gbps is not None:
             raise ValueError(
