@@ -106,26 +106,28 @@ async def test_the_next_batch_is_admitted_against_the_running_union_and_fetched_
     assert stats.provider["claimed_experts"] == 0
 
 
-@pytest.mark.parametrize("link_gbps", [0.05, None])
+@pytest.mark.parametrize(("link_gbps", "drafter_lane"), [(0.05, "own"), (None, "own"), (None, "shared")])
 @pytest.mark.asyncio
 async def test_with_a_link_latecomers_join_the_next_launch_and_without_one_they_overlap(
-    loaded, drafter, offloaded, reference, link_gbps
+    loaded, drafter, offloaded, reference, link_gbps, drafter_lane
 ):
     """Two groups out of step. Link-bound, a launch waits for the sequences still drafting
     (bounded by the copies under way and the drafter's measured time), so the groups merge
     and each round's experts cross the link once; resident, they stay two cohorts that
-    overlap drafting with verifying."""
+    overlap drafting with verifying, unless the drafts run on the verify lane itself, where
+    waiting for them costs nothing and the groups merge again."""
     target = offloaded(expert_cache_fraction=0.25, link_gbps=link_gbps)
     spec = Speculator(target.model, drafter, expert_nbytes=target.expert_nbytes, resident=target.model.experts.resident)
     spec.draft_rounds = slowed(spec.draft_rounds, 0.02)
     provider = target.model.experts if link_gbps is not None else None
-    engine = AsyncEngine(spec, loaded.tokenizer, EngineConfig(speculation="fixed"), provider=provider)
+    config = EngineConfig(speculation="fixed", drafter_lane=drafter_lane)
+    engine = AsyncEngine(spec, loaded.tokenizer, config, provider=provider)
     async with engine:
         results = await run_staggered(engine, PROMPTS, PROMPTS[::-1])
         stats = await drained(engine)
     assert results == [reference(p, LONG) for p in PROMPTS + PROMPTS[::-1]]
     mean_batch = stats.verify_rounds / sum(stats.verify_batch_sizes.values())
-    if link_gbps is not None:
+    if link_gbps is not None or drafter_lane == "shared":
         assert mean_batch > 0.75 * 2 * len(PROMPTS), stats.verify_batch_sizes
     else:
         assert mean_batch < 0.75 * 2 * len(PROMPTS), stats.verify_batch_sizes

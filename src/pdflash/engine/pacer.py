@@ -157,7 +157,9 @@ class VerifyPacer:
         a round's experts cross the link once. Without a link (resident experts) what merging
         saves is a launch: a second, smaller verify pays the verify's fixed seconds again (on
         a CPU, or a GPU at small batches, most of its cost). So it waits only while the drafts
-        are due sooner than that; slower drafts overlap the verify as two cohorts.
+        are due sooner than that; slower drafts overlap the verify as two cohorts. Unless the
+        drafts run on the verify lane itself (a shared drafter lane): a verify launched now
+        would run after them anyway, so waiting for them costs the lane nothing.
         """
         link = self.provider.link_bytes_per_s if self.provider is not None else None
         coming = sum(_drafting(s) for s in self._seqs.values())
@@ -174,8 +176,8 @@ class VerifyPacer:
         drafting_since = max(self._ended_at, *(s.drafted_at for s in waiting))
         drafts_due = drafting_since + coming * self.planner.draft_s
         wait_s = max(0.0, copying_s, drafts_due - time.perf_counter())
-        if link is None and wait_s >= self.planner.verify_fixed_s:
-            return 0.0  # resident: waiting would cost more than the launch it saves
+        if link is None and wait_s >= self.planner.verify_fixed_s and self.drafts.lane is not self.lane:
+            return 0.0  # resident, drafts beside verifies: waiting would cost more than the launch it saves
         return wait_s
 
     async def _launch(self, batch: list[Sequence]) -> None:
