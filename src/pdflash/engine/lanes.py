@@ -17,7 +17,7 @@ and drafter lanes together never ask for more OpenMP threads than the creator ha
 Whether the drafter gets a lane of its own is `drafter_has_own_lane`: its own lane lets
 sequences draft while others verify, but on the CPU its thread comes out of the target's.
 Resident on 2 cores that split halves every verify's threads for an overlap worth at most
-the drafter's share of the work, and measured 0.65-0.8x of one shared lane at 2 threads
+the drafter's share of the work, and measured 0.67-0.83x of one shared lane at 2 threads
 (docs/engine.md, "One lane or two"). Offloaded, a verify mostly waits on the link, and
 drafts beside it are what fill that wait.
 """
