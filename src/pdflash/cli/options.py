@@ -1,9 +1,9 @@
 """What `pdflash generate` and `serve` share: the device checked, the model and its options resolved.
 
-Owns the flags every engine-building command shares that live outside the parser
-(`--drafter-lane`), turning the model, verify-budget and offload flags into `AsyncEngine.from_pretrained`'s
-options (the built-in model when no --target is given), loading the engine with them, and
-the check that --device exists on this machine. Must not run the engine.
+Owns the flag bench shares with them (`--drafter-lane`), turning the model, verify-budget and
+offload flags into `AsyncEngine.from_pretrained`'s options (the built-in model when no
+--target is given), loading the engine with them, and the check that --device exists on this
+machine. Must not run the engine.
 """
 
 from __future__ import annotations

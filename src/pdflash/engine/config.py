@@ -2,9 +2,8 @@
 
 Owns what an operator sets (seats, queue, prefill budget, the four verify budgets, the charge
 mode, the starvation guard, the scheduling, speculation and ordering modes, the drafter's lane)
-and the verify
-scheduler they imply. Must not touch model work or scheduling state; what `AsyncEngine.stats()`
-reports is pdflash.engine.stats'.
+and the verify scheduler they imply. Must not touch model work or scheduling state; what
+`AsyncEngine.stats()` reports is pdflash.engine.stats'.
 """
 
 from __future__ import annotations
