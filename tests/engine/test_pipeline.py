@@ -55,8 +55,8 @@ def slowed(fn, seconds, record=None):
 @pytest.mark.asyncio
 async def test_one_group_drafts_while_the_other_verifies(make_engine, reference):
     # fixed blocks: the adaptive policy sends the random tiny drafter's sequences to plain
-    # decoding (the target lane), and this is about drafts overlapping verifies
-    async with make_engine(speculation="fixed") as engine:
+    # decoding (the target lane), and this is about drafts overlapping verifies (on a lane of their own)
+    async with make_engine(speculation="fixed", drafter_lane="own") as engine:
         spec = engine.speculator
         spec.verify_rounds = slowed(spec.verify_rounds, 0.02)
         spec.draft_rounds = slowed(spec.draft_rounds, 0.02)
@@ -72,7 +72,7 @@ async def test_one_group_drafts_while_the_other_verifies(make_engine, reference)
 
 @pytest.mark.asyncio
 async def test_busy_time_counts_overlapping_drafts_and_verifies_once(make_engine):
-    async with make_engine(speculation="fixed") as engine:
+    async with make_engine(speculation="fixed", drafter_lane="own") as engine:
         spec = engine.speculator
         spec.verify_rounds = slowed(spec.verify_rounds, 0.02)
         spec.draft_rounds = slowed(spec.draft_rounds, 0.02)
@@ -207,11 +207,11 @@ def _no_admission():
 
 @pytest.mark.asyncio
 async def test_lanes_get_thread_counts_that_do_not_oversubscribe(make_engine):
-    async with make_engine() as engine:
+    async with make_engine(drafter_lane="own") as engine:
         running = engine._running
         assert running is not None and running.drafter is not None
         threads = running.target.threads + running.drafter.threads
-        assert engine.stats().drafter_lane == "own"  # the suite runs at 1 thread: a lane adds one
+        assert engine.stats().drafter_lane == "own"
     import torch
 
     assert threads == max(2, torch.get_num_threads())
