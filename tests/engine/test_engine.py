@@ -110,9 +110,10 @@ class RecordingProvider:
 
 
 @pytest.mark.asyncio
-async def test_32_concurrent_greedy_requests_equal_each_alone(make_engine, loaded, reference):
+@pytest.mark.parametrize("drafter_lane", ["auto", "shared"])
+async def test_32_concurrent_greedy_requests_equal_each_alone(make_engine, loaded, reference, drafter_lane):
     requests = [(PROMPTS[i % len(PROMPTS)] + [i], SamplingParams(max_tokens=8 + i % 9)) for i in range(32)]
-    async with make_engine() as engine:
+    async with make_engine(drafter_lane=drafter_lane) as engine:
         results = await run_all(engine, requests)
         stats = await drained(engine)
     for (prompt, params), (ids, text, last) in zip(requests, results):

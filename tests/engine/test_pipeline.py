@@ -162,10 +162,11 @@ class Gate:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("drafter_lane", ["own", "shared"])
 @pytest.mark.parametrize("point", ["prefill", "draft", "ticket", "verify"])
-async def test_an_abort_at_each_await_point_releases_kv_demand_and_claims(make_engine, reference, point):
+async def test_an_abort_at_each_await_point_releases_kv_demand_and_claims(make_engine, reference, point, drafter_lane):
     provider = RecordingProvider()
-    async with make_engine(provider=provider) as engine:
+    async with make_engine(provider=provider, drafter_lane=drafter_lane) as engine:
         spec, gate = engine.speculator, None
         if point in ("prefill", "draft", "verify"):
             name = {"prefill": "begin_sessions", "draft": "draft_rounds", "verify": "verify_rounds"}[point]
