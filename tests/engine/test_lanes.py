@@ -75,3 +75,30 @@ async def test_a_batch_lane_counts_the_seconds_its_calls_ran_not_their_wait_for_
         lane.close()
     assert 0.02 <= drafts.busy_s < 0.15  # its own call, not the 0.2 s it waited behind
     assert lane.busy_s >= 0.22
+
+
+@pytest.mark.asyncio
+async def test_a_batch_lane_is_working_while_items_wait_or_run_and_idle_after():
+    lane = Lane("shared", CPU)
+    drafts = BatchLane(lane, lambda items: [time.sleep(0.02) or i for i in items], name="draft")
+    done = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(drafts.serve)
+            assert not drafts.working
+            lane.submit(time.sleep, 0.1)  # the batch waits behind it: queued, not yet running
+
+            async def submit() -> None:
+                assert await drafts.submit(3) == 3
+                done.set()
+
+            tg.start_soon(submit)
+            await anyio.sleep(0.03)
+            assert drafts.working  # its batch waits behind the other lane user
+            with anyio.fail_after(5):
+                await done.wait()
+            await anyio.sleep(0)  # the lane's loop clears `busy` as it hands the results back
+            assert not drafts.working
+            tg.cancel_scope.cancel()
+    finally:
+        lane.close()

@@ -191,6 +191,11 @@ class BatchLane(Generic[T, R]):
         self.busy = False  # a batch of this lane is running now
         self.busy_s = 0.0  # seconds its calls ran on the lane's thread (not counting their wait for it)
 
+    @property
+    def working(self) -> bool:
+        """A batch of this lane runs now or items wait for one."""
+        return self.busy or bool(self._queue)
+
     async def submit(self, item: T) -> R:
         job: _Job[T] = _Job(item)
         self._queue.append(job)

@@ -17,6 +17,7 @@ coroutine registers its demand, awaits its ticket and then `verified(seq)`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Mapping, Set
@@ -159,7 +160,9 @@ class VerifyPacer:
         a CPU, or a GPU at small batches, most of its cost). So it waits only while the drafts
         are due sooner than that; slower drafts overlap the verify as two cohorts. Unless the
         drafts run on the verify lane itself (a shared drafter lane): a verify launched now
-        would run after them anyway, so waiting for them costs the lane nothing.
+        would run after them anyway, so waiting for them costs the lane nothing, and while
+        drafts are queued or running there the launch waits for them however long they take
+        (each ends in a registration or an exit, and either wakes the pacer).
         """
         link = self.provider.link_bytes_per_s if self.provider is not None else None
         coming = sum(_drafting(s) for s in self._seqs.values())
@@ -176,7 +179,9 @@ class VerifyPacer:
         drafting_since = max(self._ended_at, *(s.drafted_at for s in waiting))
         drafts_due = drafting_since + coming * self.planner.draft_s
         wait_s = max(0.0, copying_s, drafts_due - time.perf_counter())
-        if link is None and wait_s >= self.planner.verify_fixed_s and self.drafts.lane is not self.lane:
+        if self.drafts.lane is self.lane:
+            return math.inf if self.drafts.working else wait_s  # drafts ahead of any verify on this lane
+        if link is None and wait_s >= self.planner.verify_fixed_s:
             return 0.0  # resident, drafts beside verifies: waiting would cost more than the launch it saves
         return wait_s
 
