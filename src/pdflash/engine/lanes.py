@@ -188,7 +188,7 @@ class BatchLane(Generic[T, R]):
         self._queue: list[_Job[T]] = []
         self._wake = anyio.Event()
         self.batches = 0
-        self.busy = False  # a batch of this lane is running now
+        self.busy = False  # a batch of this lane was taken and has not ended (running, or waiting for the lane)
         self.busy_s = 0.0  # seconds its calls ran on the lane's thread (not counting their wait for it)
 
     @property
