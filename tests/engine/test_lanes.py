@@ -97,7 +97,6 @@ async def test_a_batch_lane_is_working_while_items_wait_or_run_and_idle_after():
             assert drafts.working  # its batch waits behind the other lane user
             with anyio.fail_after(5):
                 await done.wait()
-            await anyio.sleep(0)  # the lane's loop clears `busy` as it hands the results back
             assert not drafts.working
             tg.cancel_scope.cancel()
     finally:
