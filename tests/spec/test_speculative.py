@@ -53,6 +53,49 @@ def test_batched_rounds_equal_single_rounds(loaded, drafter, block_size):
         assert tuple(session.acceptance_lengths) == single.acceptance_lengths
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prompts_prefilled_inside_verifies_equal_separate_forwards(loaded, drafter, temperature):
+    """A prompt joining a batched verify (one forward) gets the session a prefill alone gives, and the
+    verified sessions the results they get alone: staggered arrivals, greedy and seeded sampling."""
+    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=11 + i) for i in range(len(PROMPTS))]
+    spec = speculator(loaded, drafter, block_size=4)
+
+    def run(mixed: bool) -> list[list[int]]:
+        sessions = spec.begin_sessions([(PROMPTS[0], params[0])])
+        arriving = list(range(1, len(PROMPTS)))
+        while (live := [s for s in sessions if not s.finished]) or arriving:
+            joining = [arriving.pop(0)] if arriving else []
+            requests = [(PROMPTS[i], params[i]) for i in joining]
+            spec.draft_rounds(live, [3] * len(live))
+            if mixed:
+                results, begun = spec.verify_and_begin(live, requests)
+            else:
+                results, begun = spec.verify_rounds(live), spec.begin_sessions(requests)
+            assert len(results) == len(live) and len(begun) == len(joining)
+            sessions += begun
+        return [s.emitted for s in sessions]
+
+    assert run(mixed=True) == run(mixed=False)
+    if temperature == 0.0:
+        expected = [list(generate_autoregressive(loaded.model, p, params[0]).token_ids) for p in PROMPTS]
+        assert run(mixed=True) == expected
+
+
+def test_a_forward_mixing_prefills_and_verifies_gives_each_the_logits_rows_it_needs(loaded):
+    model, cache_a, cache_b = loaded.model, loaded.model.new_cache(), loaded.model.new_cache()
+    model.forward([torch.tensor(PROMPTS[1])], [cache_a])
+    block, prompt = torch.tensor([3, 4, 5]), torch.tensor(PROMPTS[3])
+    out = model.forward([block, prompt], [cache_a, cache_b], last_logits_only=[False, True])
+    assert out.logit_lens == (3, 1) and out.logits.shape[0] == 4
+    verify_rows, prefill_row = out.split_logits()
+    alone_a, alone_b = loaded.model.new_cache(), loaded.model.new_cache()
+    model.forward([torch.tensor(PROMPTS[1])], [alone_a])
+    torch.testing.assert_close(verify_rows, model.forward([block], [alone_a]).logits)
+    torch.testing.assert_close(prefill_row, model.forward([prompt], [alone_b], last_logits_only=True).logits)
+    with pytest.raises(ValueError, match="1 flags for 2 sequences"):
+        model.forward([block, prompt], [cache_a, cache_b], last_logits_only=[True])
+
+
 def test_per_session_block_sizes_and_skipped_drafts_keep_the_output(loaded, drafter):
     """Rounds of varying size per session, 1 (no drafter forward) included, equal plain decoding:
     a session that skips the drafter keeps its unseen context for the next round that drafts."""

@@ -22,6 +22,7 @@ from pdflash.spec.projection import ProjectionQuality, Projector, make_projector
 from pdflash.spec.session import DraftResult, RoundOrderError, RoundTrace, SpecSession, VerifyResult
 from pdflash.stopping import StopRule, StopWatcher
 from pdflash.target.experts import ExpertKey
+from pdflash.target.kv_cache import KVCache
 from pdflash.target.loader import TargetModel
 
 
@@ -67,46 +68,38 @@ class Speculator:
         `watchers[i]` (e.g. the request's text stream) sees every token request i emits, for
         its stop strings; the session's StopRule decides with it when the request ends.
         """
-        cfg = self.target.config
-        watchers = watchers if watchers is not None else [None] * len(requests)
-        rules = [
-            StopRule.for_request(len(p), sp, cfg.max_positions, cfg.eos_token_ids, watcher)
-            for (p, sp), watcher in zip(requests, watchers, strict=True)
-        ]
-        for prompt, _ in requests:
-            bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{cfg.vocab_size - 1}")
-        caches = [self.target.new_cache() for _ in requests]
-        prompts = [torch.tensor(list(p), dtype=torch.int64) for p, _ in requests]
-        out = self.target.forward(prompts, caches, last_logits_only=True, taps=self.taps)
-        taps = out.split_taps()
-        sessions = []
-        for i, ((prompt, params), rule) in enumerate(zip(requests, rules)):
-            generator = params.generator(self.target.device)
-            logits = out.logits[i : i + 1]  # [1, V]
-            adjusted = adjust_logits(logits, params, prompt_ids=prompt, output_ids=(), stop_ids=rule.stop_ids)
-            first = int(sample(adjusted, params, generator)[0])
-            kept, finish = rule.clip(0, [first])
-            recent = out.split(out.routed)[i][-self.block_size :]
-            sessions.append(
-                SpecSession(
-                    prompt_ids=list(prompt),
-                    params=params,
-                    rule=rule,
-                    generator=generator,
-                    target_cache=caches[i],
-                    draft_cache=self.drafter.new_cache() if self.drafter else None,
-                    context=taps[i],
-                    anchor=first,
-                    start=len(prompt),
-                    emitted=kept,
-                    logprobs=token_logprobs(logits, kept, params.logprobs) if params.logprobs is not None else [],
-                    finish_reason=finish,
-                    last_union=routed_union(recent, cfg.moe_layer_ids),
-                )
-            )
-        return sessions
+        return self.verify_and_begin([], requests, watchers)[1]
+
+    def _begun(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        rule: StopRule,
+        cache: KVCache,
+        logits: torch.Tensor,  # [1, V] its last prompt token's
+        routed: torch.Tensor,  # [n, L_moe, K] its prompt's routes
+        taps: torch.Tensor | None,  # [n, n_taps*H]
+    ) -> SpecSession:
+        """A prefilled prompt's session, with its first token."""
+        generator = params.generator(self.target.device)
+        adjusted = adjust_logits(logits, params, prompt_ids=prompt, output_ids=(), stop_ids=rule.stop_ids)
+        first = int(sample(adjusted, params, generator)[0])
+        kept, finish = rule.clip(0, [first])
+        return SpecSession(
+            prompt_ids=list(prompt),
+            params=params,
+            rule=rule,
+            generator=generator,
+            target_cache=cache,
+            draft_cache=self.drafter.new_cache() if self.drafter else None,
+            context=taps,
+            anchor=first,
+            start=len(prompt),
+            emitted=kept,
+            logprobs=token_logprobs(logits, kept, params.logprobs) if params.logprobs is not None else [],
+            finish_reason=finish,
+            last_union=routed_union(routed[-self.block_size :], self.target.config.moe_layer_ids),
+        )
 
     # -- draft ---------------------------------------------------------------------------
     def draft_round(self, session: SpecSession) -> DraftResult:
@@ -202,24 +195,63 @@ class Speculator:
         return self.verify_rounds([session])[0]
 
     def verify_rounds(self, sessions: Sequence[SpecSession]) -> list[VerifyResult]:
+        return self.verify_and_begin(sessions, [])[0]
+
+    def verify_and_begin(
+        self,
+        sessions: Sequence[SpecSession],
+        requests: Sequence[tuple[Sequence[int], SamplingParams]],
+        watchers: Sequence[StopWatcher | None] | None = None,
+    ) -> tuple[list[VerifyResult], list[SpecSession]]:
+        """Verify `sessions`' drafted blocks and prefill `requests`' prompts in ONE target forward:
+        what `verify_rounds(sessions)` and `begin_sessions(requests, watchers)` return, while the
+        experts both route to are read once (behind a link, a prompt's prefill routes through
+        nearly every expert). Every input is checked before the forward runs."""
+        cfg = self.target.config
+        watchers = watchers if watchers is not None else [None] * len(requests)
+        rules = [
+            StopRule.for_request(len(p), sp, cfg.max_positions, cfg.eos_token_ids, watcher)
+            for (p, sp), watcher in zip(requests, watchers, strict=True)
+        ]
+        for prompt, _ in requests:
+            bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{cfg.vocab_size - 1}")
         drafts = [_pending_draft(s) for s in sessions]
+        if not drafts and not requests:
+            return [], []
         blocks = [torch.tensor(d.block, dtype=torch.int64) for d in drafts]
+        prompts = [torch.tensor(list(p), dtype=torch.int64) for p, _ in requests]
+        caches = [self.target.new_cache() for _ in requests]
+        # a verify needs every position's logits, a prefill its last token's
+        last: bool | list[bool] = [False] * len(blocks) + [True] * len(prompts) if blocks and prompts else not blocks
         started = time.perf_counter()
-        out = self.target.forward(blocks, [s.target_cache for s in sessions], taps=self.taps)
-        share = (time.perf_counter() - started) / len(sessions)
-        taps = out.split_taps()
-        routes = [self._token_routes(r) for r in out.split(out.routed)]
+        out = self.target.forward(
+            blocks + prompts, [s.target_cache for s in sessions] + caches, last_logits_only=last, taps=self.taps
+        )
+        share = (time.perf_counter() - started) / len(out.seq_lens)
+        n = len(sessions)
+        logits, routed, taps = out.split_logits(), out.split(out.routed), out.split_taps()
+        begun = [
+            self._begun(prompt, params, rule, cache, lg, r, tap)
+            for (prompt, params), rule, cache, lg, r, tap in zip(
+                requests, rules, caches, logits[n:], routed[n:], taps[n:], strict=True
+            )
+        ]
+        if not sessions:
+            return [], begun
+        routes = [self._token_routes(r) for r in routed[:n]]
         residents = [d.resident for d in drafts]
         position_bytes = position_fetch_bytes(residents, routes, self.expert_nbytes)
         further = further_token_bytes(residents, routes, self.expert_nbytes)
-        logits = out.split(out.logits)
-        choices = self._next_tokens(sessions, blocks, drafts, logits)
-        return [
-            self._accept(s, block, choice, lg, routed, tap, share, positions, more)
-            for s, block, choice, lg, routed, tap, positions, more in zip(
-                sessions, blocks, choices, logits, out.split(out.routed), taps, position_bytes, further
+        choices = self._next_tokens(sessions, blocks, drafts, logits[:n])
+        verified = [
+            self._accept(s, block, choice, lg, r, tap, share, positions, more)
+            for s, block, choice, lg, r, tap, positions, more in zip(
+                sessions, blocks, choices, logits, routed, taps, position_bytes, further
             )
         ]
+        return verified, begun
 
     def _token_routes(self, routed: torch.Tensor) -> list[frozenset[ExpertKey]]:
         """[n, L_moe, K] routed ids -> each token's (layer, expert) pairs."""

@@ -215,6 +215,7 @@ class TargetSteps:
             last = logits.view(batch, tokens, -1)[:, -1] if last_logits_only else logits  # [N, V] or [T, V]
             return BatchOutput(
                 seq_lens=tuple(counts),
+                logit_lens=tuple([1] * len(counts) if last_logits_only else counts),
                 logits=last,
                 taps=torch.cat([flat[t] for t in taps], dim=-1) if taps else None,
                 routed=routed,
@@ -223,6 +224,7 @@ class TargetSteps:
         rows = _real_rows(counts, tokens, last_only=last_logits_only).to(model.device)
         return BatchOutput(
             seq_lens=tuple(counts),
+            logit_lens=tuple([1] * len(counts) if last_logits_only else counts),
             logits=logits[rows],
             taps=torch.cat([flat[t, every] for t in taps], dim=-1) if taps else None,
             routed=routed[every],

@@ -19,7 +19,7 @@ from pdflash.kernels.routing import permutation
 from pdflash.target.gpt_oss_config import GptOssConfig
 from pdflash.target.gpt_oss_experts import GptOssExpertProvider
 from pdflash.target.kv_cache import KVCache
-from pdflash.target.model import BatchOutput
+from pdflash.target.model import BatchOutput, logit_rows
 from pdflash.target.rope import Rotary, apply_rotary
 from pdflash.target.sink_attention import attend_with_sinks, visible_keys
 
@@ -83,7 +83,7 @@ class GptOssModel:
         token_ids: Sequence[torch.Tensor],
         caches: Sequence[KVCache],
         *,
-        last_logits_only: bool = False,
+        last_logits_only: bool | Sequence[bool] = False,
         taps: Sequence[int] = (),
         skip_experts: bool = False,
         commit: bool = True,
@@ -93,6 +93,7 @@ class GptOssModel:
         # stays one self-contained pass (model.py's hot path is tuned on its own), only the layers differ
         cfg = self.config
         seq_lens = tuple(int(t.numel()) for t in token_ids)
+        rows, logit_lens = logit_rows(seq_lens, last_logits_only, self.device)
         for cache, n in zip(caches, seq_lens, strict=True):
             cache.reserve(cache.length + n)
         ids = torch.cat(list(token_ids)).to(self.device)  # [T]
@@ -119,11 +120,12 @@ class GptOssModel:
         if commit:
             for cache, n in zip(caches, seq_lens):
                 cache.advance(n)
-        if last_logits_only:
-            x = x[torch.tensor(seq_lens, device=self.device).cumsum(0) - 1]  # [N, H]
+        if rows is not None:
+            x = x[rows]  # [R, H]
         logits = F.linear(rms_norm(x, self.final_norm, cfg.rms_norm_eps), self.lm_head).float()
         return BatchOutput(
             seq_lens=seq_lens,
+            logit_lens=logit_lens,
             logits=logits,
             taps=torch.cat([tapped[layer] for layer in taps], dim=-1) if taps else None,
             routed=routed,

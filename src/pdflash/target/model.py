@@ -48,7 +48,8 @@ class LayerWeights:
 @attrs.frozen(kw_only=True)
 class BatchOutput:
     seq_lens: tuple[int, ...]  # new tokens per sequence, in batch order
-    logits: torch.Tensor  # [R, V] float32: every token (R = T) or each sequence's last (R = N)
+    logit_lens: tuple[int, ...]  # logit rows per sequence: its tokens, or 1 (its last token's only)
+    logits: torch.Tensor  # [R, V] float32, R = sum(logit_lens): each sequence's rows in batch order
     taps: torch.Tensor | None  # [T, n_taps*H] residual stream after each requested layer
     routed: torch.Tensor  # [T, L_moe, K] int64 expert ids routed per token and MoE layer
 
@@ -56,9 +57,32 @@ class BatchOutput:
         """Per-sequence views of a [T, ...] tensor."""
         return tensor.split(list(self.seq_lens))
 
+    def split_logits(self) -> tuple[torch.Tensor, ...]:
+        """Per-sequence [logit_lens[i], V] views of the logits."""
+        return self.logits.split(list(self.logit_lens))
+
     def split_taps(self) -> list[torch.Tensor | None]:
         """Per-sequence [t_i, n_taps*H] tap features; None for each when no taps were asked for."""
         return list(self.split(self.taps)) if self.taps is not None else [None] * len(self.seq_lens)
+
+
+def logit_rows(
+    seq_lens: Sequence[int], last_logits_only: bool | Sequence[bool], device: torch.device
+) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """Which rows of a forward's [T, H] final states get logits: an index (None: every row) and
+    each sequence's count. `last_logits_only`: for every sequence, or per sequence (a batch that
+    prefills some prompts, where only the last token's logits count, and verifies other blocks)."""
+    last = [last_logits_only] * len(seq_lens) if isinstance(last_logits_only, bool) else list(last_logits_only)
+    if len(last) != len(seq_lens):
+        raise ValueError(f"last_logits_only has {len(last)} flags for {len(seq_lens)} sequences")
+    if not any(last):
+        return None, tuple(seq_lens)
+    ends = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0)
+    rows = [
+        torch.arange(end - n, end) if not only else end[None] - 1
+        for n, end, only in zip(seq_lens, ends, last, strict=True)
+    ]
+    return torch.cat(rows).to(device), tuple(1 if only else n for n, only in zip(seq_lens, last, strict=True))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,25 +135,29 @@ class Qwen3MoeModel:
         token_ids: Sequence[torch.Tensor],
         caches: Sequence[KVCache],
         *,
-        last_logits_only: bool = False,
+        last_logits_only: bool | Sequence[bool] = False,
         taps: Sequence[int] = (),
         skip_experts: bool = False,
         commit: bool = True,
     ) -> BatchOutput:
         """Run new tokens of N sequences (each [n_i] int64, positions after its cache) in one pass.
 
+        `last_logits_only` (for all, or per sequence): logits of the sequence's last token only;
         `skip_experts` computes routing but not expert outputs (a router-only pass);
         `commit=False` leaves each cache's length unchanged (the K/V written past it are scratch).
         """
         if self.steps is not None:
-            shape = self.steps.shape_of(token_ids, skip_experts)
-            if not isinstance(shape, str):
+            if not isinstance(last_logits_only, bool):  # a static step applies one rule to every sequence
+                self.steps.fall_back("a batch with prefills in it (last-token logits for some sequences only)")
+            elif not isinstance(shape := self.steps.shape_of(token_ids, skip_experts), str):
                 return self.steps.forward(
                     token_ids, caches, shape, last_logits_only=last_logits_only, taps=taps, commit=commit
                 )
-            self.steps.fall_back(shape)
+            else:
+                self.steps.fall_back(shape)
         cfg = self.config
         seq_lens = tuple(int(t.numel()) for t in token_ids)
+        rows, logit_lens = logit_rows(seq_lens, last_logits_only, self.device)
         for cache, n in zip(caches, seq_lens, strict=True):
             cache.reserve(cache.length + n)
         ids = torch.cat(list(token_ids)).to(self.device)  # [T]
@@ -155,11 +183,12 @@ class Qwen3MoeModel:
         if commit:
             for cache, n in zip(caches, seq_lens):
                 cache.advance(n)
-        if last_logits_only:
-            x = x[torch.tensor(seq_lens, device=self.device).cumsum(0) - 1]  # [N, H]
+        if rows is not None:
+            x = x[rows]  # [R, H]
         logits = F.linear(rms_norm(x, self.final_norm, cfg.rms_norm_eps), self.lm_head).float()
         return BatchOutput(
             seq_lens=seq_lens,
+            logit_lens=logit_lens,
             logits=logits,
             taps=torch.cat([tapped[layer] for layer in taps], dim=-1) if taps else None,
             routed=routed,
