@@ -101,3 +101,79 @@ async def test_a_batch_lane_is_working_while_items_wait_or_run_and_idle_after():
             tg.cancel_scope.cancel()
     finally:
         lane.close()
+
+
+@pytest.mark.asyncio
+async def test_held_items_ride_another_call_or_run_alone_once_released():
+    """While `hold` answers True, submitted items wait: a ride hands them to another call, which
+    answers each (an error to its own item only); released, the lane runs what still waits."""
+    lane = Lane("target", CPU)
+    held = True
+    prefills = BatchLane(lane, lambda items: [i * 10 for i in items], name="prefill", hold=lambda: held)
+    answers: dict[int, object] = {}
+
+    async def submit(item: int) -> None:
+        try:
+            answers[item] = await prefills.submit(item)
+        except ValueError as error:
+            answers[item] = str(error)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(prefills.serve)
+            assert prefills.ride() is None  # nothing waits
+            tg.start_soon(submit, 1)
+            tg.start_soon(submit, 2)
+            await anyio.sleep(0.02)
+            assert answers == {} and prefills.batches == 0  # held
+            ride = prefills.ride()
+            assert ride is not None and ride.items == [1, 2]
+            ride.finish([100, ValueError("bad prompt")])
+            ride.fail(RuntimeError("answered already: changes nothing"))
+            await anyio.sleep(0.01)
+            assert answers == {1: 100, 2: "bad prompt"}
+            tg.start_soon(submit, 3)
+            await anyio.sleep(0.02)
+            assert 3 not in answers
+            held = False
+            prefills.release()
+            with anyio.fail_after(5):
+                while 3 not in answers:
+                    await anyio.sleep(0.005)
+            tg.cancel_scope.cancel()
+    finally:
+        lane.close()
+    assert answers[3] == 30 and (prefills.batches, prefills.rides) == (1, 1)
+
+
+@pytest.mark.asyncio
+async def test_a_waiter_cancelled_while_its_item_rides_waits_for_the_ride_to_answer():
+    lane = Lane("target", CPU)
+    prefills = BatchLane(lane, lambda items: items, name="prefill", hold=lambda: True)
+    returned_at: list[float] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(prefills.serve)
+            scope = anyio.CancelScope()
+
+            async def waiter() -> None:
+                with scope:
+                    await prefills.submit(5)
+                returned_at.append(time.perf_counter())
+
+            tg.start_soon(waiter)
+            await anyio.sleep(0.01)
+            ride = prefills.ride()
+            assert ride is not None
+            scope.cancel()
+            await anyio.sleep(0.05)
+            assert not returned_at  # its item is in another call: the waiter may not free it yet
+            answered = time.perf_counter()
+            ride.finish([5])
+            with anyio.fail_after(5):
+                while not returned_at:
+                    await anyio.sleep(0.005)
+            assert returned_at[0] >= answered
+            tg.cancel_scope.cancel()
+    finally:
+        lane.close()

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
@@ -153,6 +153,39 @@ class _Job(Generic[T]):
     error: BaseException | None = None
 
 
+class Ride(Generic[T, R]):
+    """A batch of one BatchLane's items that another lane's call runs inside its own (a prompt's
+    prefill inside a batched verify). Its items count as started: a waiter cancelled meanwhile
+    waits for `finish`, which answers every item exactly once."""
+
+    def __init__(self, jobs: list[_Job[T]]) -> None:
+        self._jobs = jobs
+
+    @property
+    def items(self) -> list[T]:
+        return [job.item for job in self._jobs]
+
+    def finish(self, outcomes: Sequence[R | BaseException]) -> None:
+        """Each item's result, or the exception it raised, in `items` order."""
+        if len(outcomes) != len(self._jobs):
+            outcomes = [RuntimeError(f"a ride of {len(self._jobs)} items got {len(outcomes)} outcomes")] * len(
+                self._jobs
+            )
+        for job, outcome in zip(self._jobs, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                job.error = outcome
+            else:
+                job.result = outcome
+            job.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Answer every item not yet answered with `error` (the call carrying the ride broke)."""
+        for job in self._jobs:
+            if not job.done.is_set():
+                job.error = error
+                job.done.set()
+
+
 @attrs.frozen(kw_only=True)
 class Isolation(Generic[T]):
     """How a failed batch is retried item by item: rewind each item to before the batch first."""
@@ -168,7 +201,9 @@ class BatchLane(Generic[T, R]):
     waiter cancelled before its batch starts takes its item back out; one cancelled while its
     batch runs waits (shielded) for the batch to end, so the caller never frees what the lane
     is still using. A batch that raises is retried item by item (after `isolation.restore`),
-    so an error reaches only the items that still raise alone.
+    so an error reaches only the items that still raise alone. While `hold()` answers True,
+    queued items wait for another lane's call to take them along (`ride`); `release()` tells
+    the lane to look again.
     """
 
     def __init__(
@@ -180,14 +215,17 @@ class BatchLane(Generic[T, R]):
         isolation: Isolation[T] | None = None,
         cost: Callable[[T], int] | None = None,
         max_cost: int | None = None,
+        hold: Callable[[], bool] | None = None,
     ) -> None:
         self.lane, self.name = lane, name
         self._fn = fn
         self._isolation = isolation
+        self._hold = hold
         self._cost, self._max_cost = cost, max_cost  # a batch's items at most (the first always fits)
         self._queue: list[_Job[T]] = []
         self._wake = anyio.Event()
         self.batches = 0
+        self.rides = 0  # batches taken along by another lane's call (`ride`)
         self.busy = False  # a batch of this lane was taken and has not ended (running, or waiting for the lane)
         self.busy_s = 0.0  # seconds its calls ran on the lane's thread (not counting their wait for it)
 
@@ -213,11 +251,26 @@ class BatchLane(Generic[T, R]):
             raise job.error
         return job.result
 
+    def release(self) -> None:
+        """What `hold` answers may have changed: the lane's loop asks again."""
+        self._wake.set()
+
+    def ride(self) -> Ride[T, R] | None:
+        """Hand the next batch (as this lane would take it) to another call, which runs it inside its
+        own and answers each item through the ride; None when nothing waits."""
+        if not self._queue:
+            return None
+        jobs = self._take()
+        for job in jobs:
+            job.started = True
+        self.rides += 1
+        return Ride(jobs)
+
     async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """The lane's loop (run in the engine's task group): one batched call per wake-up."""
         task_status.started()
         while True:
-            while not self._queue:
+            while not self._queue or (self._hold is not None and self._hold()):
                 self._wake = anyio.Event()
                 await self._wake.wait()
             jobs = self._take()
