@@ -243,11 +243,11 @@ async def test_a_bug_around_one_batched_verify_fails_that_batch_only(make_engine
         pacer = engine._running.pacer
         real, calls = pacer._verify_rounds, []
 
-        async def broken_once(batch):  # fails outside the rounds (not a round's own error) the first time
+        async def broken_once(batch, ride):  # fails outside the rounds (not a round's own error) the first time
             calls.append(len(batch))
             if len(calls) == 1:
                 raise RuntimeError("bug around a batch")
-            return await real(batch)
+            return await real(batch, ride)
 
         pacer._verify_rounds = broken_once
         with pytest.raises(RuntimeError, match="bug around a batch"):
@@ -306,3 +306,155 @@ async def test_a_prompt_waits_for_a_sequence_about_to_reach_its_limit_only_behin
     else:
         assert stats.prefills_held == 0
         assert not meanwhile
+
+
+def mixed_calls(spec, record, delay_s=0.0):
+    """Wrap `spec.verify_and_begin` (every verify and prefill goes through it): (verified sequences,
+    prompts) of each call appended to `record`; forwards with both in them take `delay_s` longer."""
+    real = spec.verify_and_begin
+
+    def recorded(sessions, requests, watchers=None):
+        record.append((len(sessions), len(requests)))
+        result = real(sessions, requests, watchers)
+        if sessions and requests:
+            time.sleep(delay_s)
+        return result
+
+    spec.verify_and_begin = recorded
+
+
+async def run_mid_rounds(engine, first, second):
+    """`second` arrives once `first` is in its rounds (its first verify has run)."""
+    results = {}
+
+    async def late():
+        with anyio.fail_after(20):
+            while not engine.stats().verify_rounds:
+                await anyio.sleep(0.002)
+        results["second"] = await run_all(engine, [(p, LONG) for p in second])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(late)
+        results["first"] = await run_all(engine, [(p, LONG) for p in first])
+    return [ids for ids, _, _ in results["first"] + results["second"]]
+
+
+def link_engine(loaded, drafter, offloaded, link_gbps=0.05, **config):
+    target = offloaded(expert_cache_fraction=0.25, link_gbps=link_gbps)
+    spec = Speculator(target.model, drafter, expert_nbytes=target.expert_nbytes, resident=target.model.experts.resident)
+    provider = target.model.experts if link_gbps is not None else None
+    return AsyncEngine(spec, loaded.tokenizer, EngineConfig(**config), provider=provider)
+
+
+@pytest.mark.parametrize(
+    ("link_gbps", "prefill_mode", "rides"),
+    [(0.05, "auto", True), (0.05, "alone", False), (None, "auto", False), (None, "verify", True)],
+)
+@pytest.mark.asyncio
+async def test_a_prompt_arriving_mid_rounds_prefills_inside_the_next_verify_behind_a_link(
+    loaded, drafter, offloaded, reference, link_gbps, prefill_mode, rides
+):
+    """The second group arrives while the first is in its rounds: behind a link ("auto") or when
+    asked ("verify") its prompts prefill in the forward of the first group's next verify; resident
+    ("auto") or "alone", in forwards of their own. Either way every output equals plain decoding."""
+    engine = link_engine(loaded, drafter, offloaded, link_gbps, prefill_mode=prefill_mode)
+    calls: list[tuple[int, int]] = []
+    mixed_calls(engine.speculator, calls)
+    async with engine:
+        results = await run_mid_rounds(engine, PROMPTS, PROMPTS[::-1])
+        stats = await drained(engine)
+    assert results == [reference(p, LONG) for p in PROMPTS + PROMPTS[::-1]]
+    assert stats.prefill_mode == ("verify" if rides else "alone")
+    together = [c for c in calls if c[0] and c[1]]
+    if rides:
+        assert together, calls
+        assert stats.prefills_in_verifies == sum(prompts for _, prompts in together) >= 1
+    else:
+        assert not together and stats.prefills_in_verifies == 0
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_that_breaks_the_verify_it_rides_fails_alone(loaded, drafter, offloaded, reference):
+    """A forward verifying the first group and prefilling two prompts, one of them bad, raises: the
+    prompts and the sequences are retried alone, and only the request whose prompt still raises
+    alone fails."""
+    engine = link_engine(loaded, drafter, offloaded)
+    real = engine.speculator.verify_and_begin
+    poisoned = SamplingParams(max_tokens=23)  # marks the request whose prompt raises
+
+    together: list[int] = []  # prompts of each forward that also verified
+
+    def breaking(sessions, requests, watchers=None):
+        if sessions and requests:
+            together.append(len(requests))
+        if any(params == poisoned for _, params in requests):
+            raise RuntimeError("a prompt that breaks its forward")
+        return real(sessions, requests, watchers)
+
+    engine.speculator.verify_and_begin = breaking
+    async with engine:
+        first = [(p, LONG) for p in PROMPTS]
+        results: dict[str, object] = {}
+
+        async def late():
+            with anyio.fail_after(20):
+                while not engine.stats().verify_rounds:
+                    await anyio.sleep(0.002)
+
+            async def bad():
+                with pytest.raises(RuntimeError, match="breaks its forward"):
+                    await collect(engine.generate(PROMPTS[1], poisoned))
+
+            async def fine():  # arrives with the bad one: the two ride the same verify
+                results["fine"] = await collect(engine.generate(PROMPTS[2], LONG))
+
+            async with anyio.create_task_group() as both:
+                both.start_soon(bad)
+                both.start_soon(fine)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(late)
+            results["first"] = await run_all(engine, first)
+        stats = await drained(engine)
+        assert engine.running
+    assert [ids for ids, _, _ in results["first"]] == [reference(p, LONG) for p in PROMPTS]
+    assert results["fine"][0] == reference(PROMPTS[2], LONG)
+    assert (stats.failed, stats.finished) == (1, len(PROMPTS) + 1)
+    assert together and together[0] == 2, together  # the two rode one verify, which raised
+
+
+@pytest.mark.asyncio
+async def test_an_abort_while_a_prompt_rides_a_verify_releases_everything(loaded, drafter, offloaded, reference):
+    """Aborted while its prefill runs inside another sequence's verify: the abort waits for that
+    forward, then the request ends once (aborted) and its KV, demand and claims are gone; the
+    sequence it rode with finishes as it would alone."""
+    engine = link_engine(loaded, drafter, offloaded)
+    calls: list[tuple[int, int]] = []
+    mixed_calls(engine.speculator, calls, delay_s=0.2)
+    async with engine:
+        seated = {}
+
+        async def first():
+            seated["ids"], _, _ = await collect(engine.generate(PROMPTS[0], LONG))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            with anyio.fail_after(20):
+                while not engine.stats().verify_rounds:
+                    await anyio.sleep(0.002)
+            stream = engine.generate(PROMPTS[3], LONG, request_id="rider")
+            outputs = []
+
+            async def ride():
+                async for out in stream:
+                    outputs.append(out)
+
+            tg.start_soon(ride)
+            with anyio.fail_after(10):
+                while not any(c[0] and c[1] for c in calls):
+                    await anyio.sleep(0.005)
+            assert await engine.abort("rider")
+        stats = await drained(engine)
+    assert seated["ids"] == reference(PROMPTS[0], LONG)
+    assert [o.finish_reason for o in outputs if o.finished] == ["abort"]
+    assert (stats.aborted, stats.finished, stats.prefills_in_verifies) == (1, 1, 1)

@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         policy=args.eviction,
         device=args.device,
         drafter_lane=args.drafter_lane,
+        prefill_mode=args.prefill_mode,
     )
     recipe = engine_recipe(plan, scale)
     record: dict | None = {} if args.record_routing is not None else None
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         "min_requests": plan.min_requests,
         "max_num_seqs": recipe.max_num_seqs,
         "eviction": plan.policy,
+        "prefill_mode": plan.prefill_mode,
         "prompts": f"{len(pool)} HumanEval headers, greedy",
         "open_loop_rate_per_s": rate,
         "open_loop": [p.as_dict() for p in open_points],

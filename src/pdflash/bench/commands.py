@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdflash.bench.configs import BASELINES
-from pdflash.cli.options import add_drafter_lane_flag
+from pdflash.cli.options import add_drafter_lane_flag, add_prefill_mode_flag
+from pdflash.engine.prefill_mode import PREFILL_MODES
 
 DEFAULT_PROFILE = "qwen3-30b-a3b@h200-pcie5"
 BENCH_CONFIGS = ",".join(BASELINES)
@@ -95,6 +96,7 @@ def register_subcommands(sub) -> None:
     bench.add_argument("--record-routing", type=Path, metavar="FILE", help="record routing traces for simulate")
     bench.add_argument("--torch-threads", type=int, default=1, help="intra-op threads (default 1: shared cores)")
     add_drafter_lane_flag(bench)
+    add_prefill_mode_flag(bench)
     bench.set_defaults(func=cmd_bench)
 
     sim = sub.add_parser(
@@ -125,6 +127,13 @@ def register_subcommands(sub) -> None:
         "measured AR step / the calibration's (the machine's load when the report ran; default 1)",
     )
     sim.add_argument("--validate", type=Path, metavar="BENCH_JSON", help="simulate a bench report's points")
+    sim.add_argument(
+        "--prefill-mode",
+        choices=PREFILL_MODES,
+        default="auto",
+        help="where prompts prefill: inside the next batched verify, or alone (default auto: inside verifies "
+        "with experts offloaded; --validate takes the bench report's, alone for reports before it was recorded)",
+    )
     sim.add_argument(
         "--lock-step",
         action="store_true",

@@ -38,6 +38,7 @@ class BenchPlan:
     policy: str = "activation"
     device: str = "cpu"  # where the measured engines run (the time scale is measured there too)
     drafter_lane: str = "auto"  # EngineConfig.drafter_lane of every measured engine
+    prefill_mode: str = "auto"  # EngineConfig.prefill_mode of every measured engine
 
     def requests_per_client(self, concurrency: int) -> int:
         return max(1, -(-self.min_requests // concurrency))
@@ -83,6 +84,7 @@ class EngineRecipe:
             verify_order=config.verify_order,
             projector=config.projector,
             drafter_lane=plan.drafter_lane,
+            prefill_mode=plan.prefill_mode,
             **self.budgets(config),
         )
 

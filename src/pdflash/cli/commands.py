@@ -112,6 +112,7 @@ async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo:
             "admission_wait_s": m.admission_wait_s,
             "finish_reason": out.finish_reason,
             "drafter_lane": engine.drafter_lane,
+            "prefill_mode": "verify" if engine.prefills_ride else "alone",
         }
         | offload_stats,
     }

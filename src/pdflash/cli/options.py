@@ -1,6 +1,6 @@
 """What `pdflash generate` and `serve` share: the device checked, the model and its options resolved.
 
-Owns the flag bench shares with them (`--drafter-lane`), turning the model, verify-budget and
+Owns the flags bench shares with them (`--drafter-lane`, `--prefill-mode`), turning the model, verify-budget and
 offload flags into `AsyncEngine.from_pretrained`'s options (the built-in model when no
 --target is given), loading the engine with them, and the check that --device exists on this
 machine. Must not run the engine.
@@ -29,6 +29,20 @@ def add_drafter_lane_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefill_mode_flag(p: argparse.ArgumentParser) -> None:
+    """--prefill-mode, for every command that builds an engine."""
+    from pdflash.engine.prefill_mode import PREFILL_MODES
+
+    p.add_argument(
+        "--prefill-mode",
+        choices=PREFILL_MODES,
+        default="auto",
+        help="where a prompt's prefill runs: inside the next batched verify (one forward, so the experts "
+        "both route to cross the link once) or alone as soon as the target frees; auto prefills inside "
+        "verifies when experts are offloaded (default auto; docs/engine.md)",
+    )
+
+
 def check_device(device: str) -> None:
     import torch
 
@@ -54,6 +68,7 @@ def engine_options(args: argparse.Namespace) -> tuple[dict, dict | None]:
     budgets = {name: getattr(args, name) for name in VERIFY_BUDGETS if getattr(args, name) is not None}
     budgets["speculation"] = args.speculation
     budgets["drafter_lane"] = args.drafter_lane
+    budgets["prefill_mode"] = args.prefill_mode
     if args.expert_cache_bytes is None and args.expert_cache_fraction is None:
         if args.emulate_link_gbps is not None:
             raise ValueError(

@@ -32,6 +32,7 @@ from pdflash.engine.config import EngineConfig
 from pdflash.engine.lanes import BatchLane, Lane, drafter_has_own_lane, lane_threads
 from pdflash.engine.outputs import RequestOutput, TextStream
 from pdflash.engine.pacer import DerivedBudgets, VerifyPacer
+from pdflash.engine.prefill_mode import prefill_waits_for_verify, prefills_ride_verifies
 from pdflash.engine.requests import prompt_token_ids
 from pdflash.engine.requests import sampling_params as request_sampling_params
 from pdflash.engine.round_work import ROUND_ISOLATION, RoundWork
@@ -112,6 +113,8 @@ class AsyncEngine:
                 threads=torch.get_num_threads(),
             )
             self.drafter_lane = "own" if own else "shared"
+        # whether a waiting prompt's prefill runs inside the next batched verify (pdflash.engine.prefill_mode)
+        self.prefills_ride = prefills_ride_verifies(self.config.prefill_mode, offloaded=provider is not None)
         self._derived = None
         if self.scheduling == "derived" and provider is not None:
             self._derived = DerivedBudgets(
@@ -175,21 +178,32 @@ class AsyncEngine:
             self.provider.watch_busy(busy)
         work = self._work
         draft = BatchLane(drafter or target, work.draft_rounds, name="draft", isolation=ROUND_ISOLATION)
+        prefill = BatchLane(
+            target,
+            work.begin_sessions,
+            name="prefill",
+            cost=lambda s: len(s.prompt_ids),
+            max_cost=self.config.prefill_token_budget,
+            hold=self._prefill_waits_for_verify,
+        )
         running = _Running(
             task_group=anyio.create_task_group(),
             target=target,
             drafter=drafter,
-            prefill=BatchLane(
-                target,
-                work.begin_sessions,
-                name="prefill",
-                cost=lambda s: len(s.prompt_ids),
-                max_cost=self.config.prefill_token_budget,
-            ),
+            prefill=prefill,
             draft=draft,
             plain=BatchLane(target, work.draft_rounds, name="plain", isolation=ROUND_ISOLATION),
             pacer=VerifyPacer(
-                self.scheduler, self.speculator, target, self.provider, self._derived, self._seqs, self.planner, draft
+                self.scheduler,
+                self.speculator,
+                target,
+                self.provider,
+                self._derived,
+                self._seqs,
+                self.planner,
+                draft,
+                work,
+                prefill if self.prefills_ride else None,
             ),
             busy=busy,
         )
@@ -450,6 +464,10 @@ class AsyncEngine:
             ),
         )
 
+    def _prefill_waits_for_verify(self) -> bool:
+        in_rounds = sum(s.state in (S.DRAFT, S.VERIFY) for s in self._seqs.values())
+        return prefill_waits_for_verify(rides=self.prefills_ride, sequences_in_rounds=in_rounds)
+
     def _abort(self, seq: Sequence) -> None:
         waiting = seq.state is S.WAITING
         if waiting:
@@ -499,3 +517,4 @@ class AsyncEngine:
         self._seats_changed.set()
         if self._running is not None:
             self._running.pacer.changed()  # one fewer sequence a tick may be waiting for
+            self._running.prefill.release()  # and one fewer a waiting prefill may be waiting for

@@ -1,8 +1,8 @@
 """Engine configuration: frozen values, validated once.
 
 Owns what an operator sets (seats, queue, prefill budget, the four verify budgets, the charge
-mode, the starvation guard, the scheduling, speculation and ordering modes, the drafter's lane)
-and the verify scheduler they imply. Must not touch model work or scheduling state; what
+mode, the starvation guard, the scheduling, speculation and ordering modes, the drafter's lane,
+where prefills run) and the verify scheduler they imply. Must not touch model work or scheduling state; what
 `AsyncEngine.stats()` reports is pdflash.engine.stats'.
 """
 
@@ -17,6 +17,7 @@ from pdflash.engine.admission import require_fits_cap
 from pdflash.engine.charging import ChargeMode, largest_block_union_bytes
 from pdflash.engine.lanes import DRAFTER_LANES
 from pdflash.engine.ordering import ORDERS
+from pdflash.engine.prefill_mode import PREFILL_MODES
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.spec.policy import SPECULATION
 from pdflash.target.experts import ExpertKey
@@ -56,6 +57,9 @@ class EngineConfig:
     # where the drafter runs (pdflash.engine.lanes.drafter_has_own_lane): "own" lane (drafts overlap
     # verifies), "shared" with the target, or "auto": shared only resident on a CPU of 2-3 threads
     drafter_lane: str = "auto"
+    # where a prompt's prefill runs (pdflash.engine.prefill_mode): "verify" (inside the next batched
+    # verify, whose experts it shares), "alone", or "auto": inside verifies when experts are offloaded
+    prefill_mode: str = "auto"
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_num_seqs", "max_waiting", "prefill_token_budget"):
@@ -73,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"verify_order={self.verify_order!r} is not one of {', '.join(map(repr, ORDERS))}")
         if self.drafter_lane not in DRAFTER_LANES:
             raise ValueError(f"drafter_lane={self.drafter_lane!r} is not one of {', '.join(map(repr, DRAFTER_LANES))}")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode={self.prefill_mode!r} is not one of {', '.join(map(repr, PREFILL_MODES))}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling={self.scheduling!r} is not one of {', '.join(map(repr, SCHEDULING))}")
         if self.scheduling == "fixed" and not given:

@@ -6,7 +6,8 @@ waiting longer would idle the link, or, resident, cost more than the launch it s
 `_gather_s`), the budgets of each tick (fixed, token-only, or derived: every seat's block),
 the route-ahead prefetch of every admitted verify (one cache claim per sequence, what
 pdflash.engine.prefetching picks for the tick's admitted set), launching
-each admitted set as ONE batched verify, and handing each sequence its result. Must not touch lifecycles: every sequence's own
+each admitted set as ONE batched verify (with the prompts waiting to prefill in the same forward,
+when prefills ride verifies: pdflash.engine.prefill_mode), and handing each sequence its result. Must not touch lifecycles: every sequence's own
 coroutine registers its demand, awaits its ticket and then `verified(seq)`.
 
     lane:   [ verify N           ][ verify N+1          ][ ...
@@ -31,13 +32,14 @@ import attrs
 from pdflash.engine.admission import TokensBytes
 from pdflash.engine.builder import OffloadProvider
 from pdflash.engine.charging import UnionOf
-from pdflash.engine.lanes import BatchLane, Lane
+from pdflash.engine.lanes import BatchLane, Lane, Ride
 from pdflash.engine.prefetching import launch_certainty, launch_prefetches
+from pdflash.engine.round_work import RoundWork
 from pdflash.engine.scheduler import VerifyScheduler
 from pdflash.engine.sequence import Sequence, SequenceState
 from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.spec.projection import Projection
-from pdflash.spec.session import VerifyResult
+from pdflash.spec.session import SpecSession, VerifyResult
 from pdflash.spec.speculator import Speculator
 from pdflash.target.experts import ExpertKey
 
@@ -71,6 +73,7 @@ class PacerStats:
     ticks_in_flight: int = 0  # ticks charged against a non-empty in-flight union
     prefetch_requests: int = 0  # route-ahead prefetches issued (one per admitted verify)
     prefetch_errors: int = 0
+    prefills_in_verifies: int = 0  # prompts prefilled inside a batched verify's forward
     tick_times: deque[float] = attrs.Factory(lambda: deque(maxlen=TICK_TIMES))  # perf_counter s
 
 
@@ -85,8 +88,11 @@ class VerifyPacer:
         seqs: Mapping[Any, Sequence],  # by request id
         planner: SpeculationPlanner,
         drafts: BatchLane,  # where drafted blocks run (its busy seconds: the time drafting took)
+        work: RoundWork,
+        prefills: BatchLane[Sequence, SpecSession] | None = None,  # whose waiting batches ride verifies
     ) -> None:
         self.scheduler, self.speculator, self.lane, self.drafts = scheduler, speculator, lane, drafts
+        self.work, self.prefills = work, prefills
         self._seqs = seqs  # the engine's live sequences, by request id
         self.provider, self.derived, self.planner = provider, derived, planner
         self.stats = PacerStats()
@@ -194,9 +200,10 @@ class VerifyPacer:
         self.stats.launches += 1
         self.verify_batches[len(batch)] = self.verify_batches.get(len(batch), 0) + 1
         union = UnionOf(s.draft.expert_union for s in batch if s.draft is not None)  # the scheduler knows their masks
+        ride = self.prefills.ride() if self.prefills is not None else None
         done = anyio.Event()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._verify, batch, done)
+            tg.start_soon(self._verify, batch, ride, done)
             ticked = False
             while not done.is_set():
                 wait_s = self._gather_s([]) if not ticked and self.scheduler.pending_count() else None
@@ -209,15 +216,17 @@ class VerifyPacer:
                     await self._changed.wait()
         self._running = []
 
-    async def _verify(self, batch: list[Sequence], done: anyio.Event) -> None:
+    async def _verify(self, batch: list[Sequence], ride: Ride[Sequence, SpecSession] | None, done: anyio.Event) -> None:
         started, waited = time.perf_counter(), self._exposed_fetch_s()
         outcomes: list[VerifyResult | BaseException]
         try:
             with anyio.CancelScope(shield=True):  # the thread runs to the end whatever happens here
-                outcomes = await self._verify_rounds(batch)
+                outcomes = await self._verify_rounds(batch, ride)
         except Exception as error:  # a bug around the rounds themselves: this batch's sequences fail, no other
             log.exception("a batched verify of %d sequences failed outside its rounds", len(batch))
             outcomes = [error] * len(batch)
+            if ride is not None:
+                ride.fail(error)
         finally:
             self._ended_at = time.perf_counter()
             self._drafted_at_end = self._drafted_s()
@@ -234,18 +243,42 @@ class VerifyPacer:
                 self.scheduler.finish(seq.request_id)
         traces = [o.trace for o in outcomes if isinstance(o, VerifyResult)]
         if traces:  # what the policy learns: compute seconds (link waits excluded) and bytes per position
-            self.planner.observe_verify(traces, max(0.0, elapsed - (self._exposed_fetch_s() - waited)))
+            compute_s = max(0.0, elapsed - (self._exposed_fetch_s() - waited)) if ride is None else None
+            self.planner.observe_verify(traces, compute_s)
 
-    async def _verify_rounds(self, batch: list[Sequence]) -> list[VerifyResult | BaseException]:
-        """One batched verify; if it raises, each sequence alone (rewound first), so only culprits fail."""
+    async def _verify_rounds(
+        self, batch: list[Sequence], ride: Ride[Sequence, SpecSession] | None
+    ) -> list[VerifyResult | BaseException]:
+        """One batched verify, with `ride`'s prompts prefilled in its forward; if it raises, each
+        prompt and each sequence alone (rewound first), so only culprits fail."""
         sessions = [s.session for s in batch]
-        snapshots = [session.snapshot() for session in sessions if session is not None] if len(batch) > 1 else []
+        riders = ride.items if ride is not None else []
+        together = len(batch) + len(riders) > 1
+        snapshots = [session.snapshot() for session in sessions if session is not None] if together else []
         try:
-            return list(await self.lane.run(self.speculator.verify_rounds, sessions))
+            if ride is None:
+                return list(await self.lane.run(self.speculator.verify_rounds, sessions))
+            verified, begun = await self.lane.run(self.work.verify_and_begin, sessions, riders)
+            self.stats.prefills_in_verifies += len(riders)
+            ride.finish(begun)
+            return list(verified)
         except Exception as error:
-            if len(batch) == 1:
+            if not together:
                 return [error]
-            log.warning("a batched verify of %d sequences raised %r; retrying them one by one", len(batch), error)
+            log.warning(
+                "a batched verify of %d sequences and %d prompts raised %r; retrying them one by one",
+                len(batch),
+                len(riders),
+                error,
+            )
+        if ride is not None:
+            begun_alone: list[SpecSession | BaseException] = []
+            for seq in riders:
+                try:
+                    begun_alone.append((await self.lane.run(self.work.begin_sessions, [seq]))[0])
+                except Exception as error:
+                    begun_alone.append(error)
+            ride.finish(begun_alone)
         outcomes: list[VerifyResult | BaseException] = []
         for session, snapshot in zip(sessions, snapshots, strict=True):
             assert session is not None

@@ -13,7 +13,7 @@ from typing import Any
 from pdflash.engine.lanes import Isolation
 from pdflash.engine.sequence import Sequence
 from pdflash.engine.speculation import SpeculationPlanner
-from pdflash.spec.session import DraftResult, SpecSession
+from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
 from pdflash.spec.speculator import Speculator
 
 
@@ -27,6 +27,14 @@ class RoundWork:
         sessions = self.speculator.begin_sessions([(s.prompt_ids, s.params) for s in batch], [s.text for s in batch])
         self.prefill_s = time.perf_counter() - started
         return sessions
+
+    def verify_and_begin(
+        self, sessions: list[SpecSession], batch: list[Sequence]
+    ) -> tuple[list[VerifyResult], list[SpecSession]]:  # on the target lane
+        """A batched verify with `batch`'s prompts prefilled in the same forward (pdflash.engine.prefill_mode)."""
+        return self.speculator.verify_and_begin(
+            sessions, [(s.prompt_ids, s.params) for s in batch], [s.text for s in batch]
+        )
 
     def plan(self, seq: Sequence) -> int:
         """Tokens its next verify holds: the policy's choice (pdflash.engine.speculation).

@@ -183,9 +183,11 @@ class SpeculationPlanner:
 
     # -- measuring ---------------------------------------------------------------------------------
 
-    def observe_verify(self, traces: list[RoundTrace], compute_s: float) -> None:
-        """A batched verify of `traces` took `compute_s` seconds of compute (link waits excluded)."""
-        self._fit.observe(sum(t.tokens for t in traces), compute_s)
+    def observe_verify(self, traces: list[RoundTrace], compute_s: float | None) -> None:
+        """A batched verify of `traces` took `compute_s` seconds of compute (link waits excluded;
+        None: its forward also prefilled prompts, so its seconds are not a verify's)."""
+        if compute_s is not None:
+            self._fit.observe(sum(t.tokens for t in traces), compute_s)
         self._batch = _ema(self._batch, float(len(traces)))
         for trace in traces:
             if not trace.position_fetch_bytes:

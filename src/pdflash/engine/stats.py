@@ -48,6 +48,8 @@ class EngineStats:
     generated_tokens: int  # tokens streamed, all requests
     verify_rounds: int  # per-sequence verify rounds
     prefills_held: int  # requests whose prefill waited for a sequence about to leave (pdflash.engine.seating)
+    prefill_mode: str  # "verify" (prompts prefill inside batched verifies) | "alone" (pdflash.engine.prefill_mode)
+    prefills_in_verifies: int  # prompts prefilled inside a batched verify's forward
     scheduling: str  # "fixed" | "derived" | "token-only": how verify budgets were set
     ticks: int  # admission ticks run (at most one per verify launch while the lane is busy)
     in_flight_tick_share: float  # share of ticks charged against a non-empty in-flight union
@@ -89,6 +91,8 @@ def engine_stats(engine: AsyncEngine) -> EngineStats:
         generated_tokens=t.tokens,
         verify_rounds=t.verify_rounds,
         prefills_held=t.prefills_held,
+        prefill_mode="verify" if engine.prefills_ride else "alone",
+        prefills_in_verifies=pacer.prefills_in_verifies if pacer else 0,
         scheduling=engine.scheduling,
         ticks=sched.ticks,
         in_flight_tick_share=pacer.ticks_in_flight / pacer.ticks if pacer and pacer.ticks else 0.0,
