@@ -37,6 +37,9 @@ class ConstantCosts:
     def verify_s(self, tokens, seqs, experts, *, offloaded):
         return self.verify_dense, self.verify_experts
 
+    def mixed_s(self, tokens, seqs, prompt_tokens, prompts, experts, *, offloaded):
+        return self.verify_dense + self.prefill, self.verify_experts
+
     def step_s(self, seqs):
         return self.step
 
@@ -208,7 +211,9 @@ def test_a_prompt_waits_for_the_sequence_about_to_leave_and_is_prefilled_with_it
     # (routes 2, 3) 2, so client 0's first request ends ~6 rounds (0.08 s) before client 1's:
     # its successor waits for client 1's, and the two are prefilled as one
     def point():
-        setup = _setup("dflash-token", ConstantCosts(prefill=0.2), FreshExperts(3, frozenset({2, 3})))
+        setup = _setup(
+            "dflash-token", ConstantCosts(prefill=0.2), FreshExperts(3, frozenset({2, 3})), prefill_mode="alone"
+        )
         return simulate_closed_loop(setup, [16] * 4, concurrency=2, requests_per_client=2, max_tokens=40)
 
     held = point()
@@ -219,6 +224,20 @@ def test_a_prompt_waits_for_the_sequence_about_to_leave_and_is_prefilled_with_it
     # the held prompt's seat idled less than the lone prefill stalled every seat
     assert held.wall_s < alone.wall_s
     assert held.ttft_p99_ms > alone.ttft_p99_ms
+
+
+@pytest.mark.parametrize(("prefill_mode", "batches", "ridden"), [("auto", 1, 2), ("verify", 1, 2), ("alone", 3, 0)])
+def test_behind_a_link_a_successor_prefills_inside_the_next_verify_of_the_sequences_in_rounds(
+    monkeypatch, prefill_mode, batches, ridden
+):
+    # the seating rule aside, each client's second request arrives while the other client's
+    # sequence is in its rounds: it rides that sequence's next verify, unless prefills run alone
+    monkeypatch.setattr("pdflash.bench.simulator.prefill_waits", lambda **_: False)
+    routing = FreshExperts(3, frozenset({2, 3}))
+    setup = _setup("dflash-token", ConstantCosts(prefill=0.2), routing, prefill_mode=prefill_mode)
+    result = simulate_closed_loop(setup, [16] * 4, concurrency=2, requests_per_client=2, max_tokens=40)
+    assert result.tokens == 4 * 40
+    assert (result.extra["prefill_batches"], result.extra["prefills_in_verifies"]) == (batches, ridden)
 
 
 def test_zipf_routing_routes_each_committed_token_once():

@@ -29,6 +29,10 @@ class CostModel(Protocol):
     def prefill_s(self, tokens: int, seqs: int, experts: int, *, offloaded: bool) -> tuple[float, float]: ...
     def draft_s(self, seqs: int, tokens: int, context: int, *, speculative: bool, router: bool) -> float: ...
     def verify_s(self, tokens: int, seqs: int, experts: int, *, offloaded: bool) -> tuple[float, float]: ...
+    # a verify of `tokens` over `seqs` sequences with `prompts` prompts (`prompt_tokens`) prefilled in its forward
+    def mixed_s(
+        self, tokens: int, seqs: int, prompt_tokens: int, prompts: int, experts: int, *, offloaded: bool
+    ) -> tuple[float, float]: ...
     def step_s(self, seqs: int) -> float: ...
 
 
@@ -84,6 +88,15 @@ class CalibratedCosts:
         expert_s = fit[2] * experts
         return _line(fit, tokens, experts, seqs) - expert_s, expert_s
 
+    def mixed_s(
+        self, tokens: int, seqs: int, prompt_tokens: int, prompts: int, experts: int, *, offloaded: bool
+    ) -> tuple[float, float]:
+        """The verify's fit over the whole batch's experts, plus what the prefill fit charges per
+        prompt token and prompt (not its fixed seconds: the verify's forward pays those)."""
+        dense_s, expert_s = self.verify_s(tokens, seqs, experts, offloaded=offloaded)
+        fit = self.prefill if offloaded else self.resident_prefill
+        return dense_s + _line(fit, prompt_tokens, prompts) - fit[0], expert_s
+
     def step_s(self, seqs: int) -> float:
         return _line(self.step, seqs)
 
@@ -136,6 +149,11 @@ class RooflineCosts:
 
     def verify_s(self, tokens: int, seqs: int, experts: int, *, offloaded: bool) -> tuple[float, float]:
         return self._split(tokens, experts)
+
+    def mixed_s(
+        self, tokens: int, seqs: int, prompt_tokens: int, prompts: int, experts: int, *, offloaded: bool
+    ) -> tuple[float, float]:
+        return self._split(tokens + prompt_tokens, experts)  # one forward over every token
 
     def _split(self, tokens: int, experts: int) -> tuple[float, float]:
         """The roofline time, split by the share of the bytes read that are experts'."""

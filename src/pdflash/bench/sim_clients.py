@@ -87,5 +87,6 @@ def _run(
         block_decisions=dict(sorted(sim.planner.decisions.items())),
         verify_batches=dict(sorted(sim.pacer.verify_batches.items())),
         prefill_batches=sim.prefill.batches,
+        prefills_in_verifies=sim.pacer.prefills_in_verifies,
         in_flight_tick_share=sim.pacer.ticks_in_flight / max(1, sim.scheduler.stats().ticks),
     )

@@ -5,7 +5,7 @@ in (time, scheduling order) order; a `SimLane`, one serial resource like an engi
 thread (jobs in submission order, each a generator that yields the virtual times it waits
 until and returns its result); and a `SimBatchLane`, which gathers what is submitted at the
 same instant, or while its call is queued or running, into its next call, as
-pdflash.engine.lanes.BatchLane does.
+pdflash.engine.lanes.BatchLane does (holding them, while told to, for another call to take along).
 Must not know what the jobs are: the simulator (pdflash.bench.simulator) writes them.
 """
 
@@ -87,22 +87,42 @@ class SimBatchLane(Generic[T]):
         *,
         cost: Callable[[T], int] | None = None,
         max_cost: int | None = None,
+        hold: Callable[[], bool] | None = None,
     ) -> None:
         self.lane, self._run, self._deliver = lane, run, deliver
         self._cost, self._max_cost = cost, max_cost  # a call's items at most (the first always fits)
+        self._hold = hold  # while True, queued items wait for another call to take them (`ride`)
         self._queue: list[T] = []
         self._busy = False
         self.batches = 0
+        self.rides = 0
 
     def submit(self, item: T) -> None:
         """Queue `item`; an idle lane calls at the end of this instant, so what the same instant
         submits batches together (the engine's lane loop wakes after the submitters ran)."""
         self._queue.append(item)
-        if not self._busy:
+        self.release()
+
+    def release(self) -> None:
+        """What `hold` answers may have changed: an idle lane with items queued calls this instant."""
+        if self._queue and not self._busy and not self._held():
             self._busy = True
             self.lane.clock.at(self.lane.clock.now, self._call)
 
+    def ride(self) -> list[T]:
+        """The next batch, for another call to run inside its own (its caller delivers it)."""
+        if not self._queue:
+            return []
+        self.rides += 1
+        return self._take()
+
+    def _held(self) -> bool:
+        return self._hold is not None and self._hold()
+
     def _call(self) -> None:
+        if self._held() or not self._queue:  # held since the call was due, or its items rode
+            self._busy = False
+            return
         items = self._take()
         self._busy, self.batches = True, self.batches + 1
         self.lane.submit(lambda: self._run(items), lambda result: self._done(items, result))
@@ -122,6 +142,6 @@ class SimBatchLane(Generic[T]):
 
     def _done(self, items: list[T], result: Any) -> None:
         self._busy = False
-        if self._queue:  # the lane's loop takes what queued meanwhile before its waiters run
+        if self._queue and not self._held():  # the lane's loop takes what queued meanwhile before its waiters run
             self._call()
         self._deliver(items, result)

@@ -4,7 +4,8 @@ Owns, for pdflash.bench.simulator, what pdflash.engine.pacer.VerifyPacer does in
 a tick when the target lane is about to launch a batch and at most once while a batch runs
 (charged against its in-flight union), with a link the wait for sequences still drafting
 (`_gather_s`, as VerifyPacer._gather_s), the route-ahead prefetch (one claim per admitted
-sequence, pdflash.engine.prefetching's pick, as the engine's), each admitted set as ONE verify on the target lane, and after it the scheduler's
+sequence, pdflash.engine.prefetching's pick, as the engine's), each admitted set as ONE verify on the target lane
+(with the prompts waiting to prefill in its forward, when prefills ride verifies), and after it the scheduler's
 finish, the planner's observations and each sequence's next round. Must not model lanes,
 caches or sequences' flows: the Simulator does.
 """
@@ -44,6 +45,7 @@ class SimPacer:
         self._waited = False  # that pass waited for drafting sequences
         self.verify_batches: dict[int, int] = {}  # sequences per batched verify -> batches
         self.ticks_in_flight = 0
+        self.prefills_in_verifies = 0  # prompts prefilled inside a verify's forward
         self._ended_at = 0.0  # when the last verify ended (its sequences draft from then)
 
     def changed(self) -> None:
@@ -136,7 +138,11 @@ class SimPacer:
         self._running_union = frozenset().union(*(round_of(q).projected for q in batch))
         launched = self.sim.now
         exposed = self.sim.cache.counters.exposed_fetch_s if self.sim.cache is not None else 0.0
-        self.sim.target.submit(lambda: self._verify_job(batch), lambda _: self._verified(batch, launched, exposed))
+        riders = self.sim.prefill.ride() if self.sim.prefills_ride else []  # VerifyPacer._launch's ride
+        self.prefills_in_verifies += len(riders)
+        self.sim.target.submit(
+            lambda: self._verify_job(batch, riders), lambda _: self._verified(batch, riders, launched, exposed)
+        )
         self._tick_during(batch)
 
     def _tick(self, in_flight: frozenset[ExpertKey]) -> list[SimRequest]:
@@ -160,18 +166,23 @@ class SimPacer:
                 q.claim = self.sim.cache.prefetch(experts, self.sim.now)
         return admitted
 
-    def _verify_job(self, batch: list[SimRequest]) -> Job:
+    def _verify_job(self, batch: list[SimRequest], riders: list[SimRequest]) -> Job:
         yield self.sim.now + self.sim.s.costs.step_s(len(self.sim.seated))  # the engine's bookkeeping per launch
         rounds = [round_of(q) for q in batch]
-        unions = [r.actual for r in rounds]
+        unions = [r.actual for r in rounds] + self.sim.prefill_unions(riders)
         experts = len(frozenset().union(*unions))
         tokens = sum(r.tokens for r in rounds)
-        yield from self.sim.forward(
-            unions, *self.sim.s.costs.verify_s(tokens, len(batch), experts, offloaded=self.sim.offloaded)
-        )
+        costs, offloaded = self.sim.s.costs, self.sim.offloaded
+        if riders:
+            prompt_tokens = sum(q.prompt_tokens for q in riders)
+            seconds = costs.mixed_s(tokens, len(batch), prompt_tokens, len(riders), experts, offloaded=offloaded)
+        else:
+            seconds = costs.verify_s(tokens, len(batch), experts, offloaded=offloaded)
+        yield from self.sim.forward(unions, *seconds)
 
-    def _verified(self, batch: list[SimRequest], launched: float, exposed: float) -> None:
-        """As VerifyPacer._verify: finish the demands, teach the planner, then each sequence streams."""
+    def _verified(self, batch: list[SimRequest], riders: list[SimRequest], launched: float, exposed: float) -> None:
+        """As VerifyPacer._verify: finish the demands, teach the planner (a forward that also
+        prefilled teaches no verify seconds), then each sequence streams and each rider begins."""
         waited = (self.sim.cache.counters.exposed_fetch_s if self.sim.cache is not None else 0.0) - exposed
         rounds = [round_of(q) for q in batch]
         self._ended_at = self.sim.now
@@ -183,10 +194,12 @@ class SimPacer:
         traces = [self._trace(r, p, f) for r, p, f in zip(rounds, positions, further, strict=True)]
         for q in batch:
             self.sim.scheduler.finish(q.rid)
-        self.sim.planner.observe_verify(traces, max(0.0, self.sim.now - launched - waited))
+        self.sim.planner.observe_verify(traces, None if riders else max(0.0, self.sim.now - launched - waited))
         self._running = None
         for q, r in zip(batch, rounds, strict=True):
             self.sim.stream(q, r)
+        if riders:
+            self.sim.prefilled(riders)
         # the pacer launches its next batch after the sequences' follow-up rounds were submitted
         # (measured on the engine: a plain round of batch N reaches the target lane before N+1's verify)
         self.sim.clock.at(self.sim.now, self._serve_if_idle)

@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
                     policy=args.eviction,
                     max_num_seqs=max_seqs,
                     budgets=budgets if cfg.two_dimensional else None,
+                    prefill_mode=args.prefill_mode,
                 )
 
                 def one_engine(load: int, setup: SimSetup = setup) -> PointResult:
@@ -210,6 +211,7 @@ def validate(args: argparse.Namespace) -> int:
                 max_num_seqs=bench["max_num_seqs"],
                 budgets={k: v for k, v in budgets.items() if k.startswith("verify_")} or None,
                 pipelined=not args.lock_step,
+                prefill_mode=bench.get("prefill_mode", "alone"),  # reports before it was recorded prefilled alone
             )
             simulated.append(
                 simulate_closed_loop(

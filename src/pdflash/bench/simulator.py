@@ -29,6 +29,7 @@ from pdflash.bench.sim_events import Clock, Job, SimBatchLane, SimLane
 from pdflash.bench.sim_pacer import SimPacer
 from pdflash.engine.config import EngineConfig
 from pdflash.engine.pacer import DerivedBudgets
+from pdflash.engine.prefill_mode import prefill_waits_for_verify, prefills_ride_verifies
 from pdflash.engine.seating import prefill_waits, seconds_to_limit
 from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.engine.ticket import Ticket
@@ -55,6 +56,7 @@ class SimSetup:
     policy: str = "activation"
     max_num_seqs: int = 64
     prefill_token_budget: int = 4096
+    prefill_mode: str = "auto"  # EngineConfig.prefill_mode (the lock-step engine always prefilled alone)
     budgets: dict | None = None  # the four verify_* budgets of a fixed 2-D configuration
     # False: the engine before the pipelined one (main up to 73fabf9), which measured the first
     # validation table: a lock-step loop (drafts on the verify thread, no tick while a verify runs)
@@ -135,14 +137,17 @@ class Simulator:
             setup.link_bytes_per_s if cfg.offloaded else None,
         )
         self.router = cfg.offloaded or cfg.two_dimensional  # the engine's default projector choice
+        # prompts prefill inside the next batched verify (pdflash.engine.prefill_mode)
+        self.prefills_ride = setup.pipelined and prefills_ride_verifies(setup.prefill_mode, offloaded=cfg.offloaded)
         self.target = SimLane(self.clock, "target")
         self.drafter = SimLane(self.clock, "drafter") if setup.pipelined else self.target
         self.prefill = SimBatchLane(
             self.target,
             self._prefill_job,
-            self._prefilled,
+            self.prefilled,
             cost=lambda q: q.prompt_tokens,
             max_cost=setup.prefill_token_budget,
+            hold=self._prefill_waits_for_verify,
         )
         self.draft = SimBatchLane(self.drafter, self._draft_job, self._drafted)
         self.plain = SimBatchLane(self.target, self._plain_job, self._drafted)
@@ -181,11 +186,16 @@ class Simulator:
             ),
         )
 
+    def _prefill_waits_for_verify(self) -> bool:
+        in_rounds = sum(q.acceptance is not None for q in self.seated.values())
+        return prefill_waits_for_verify(rides=self.prefills_ride, sequences_in_rounds=in_rounds)
+
     def _exit(self, q: SimRequest) -> None:
         self.done.append(q)
         del self.seated[q.rid]
         self.on_finish(q)
         self._seat()
+        self.prefill.release()  # one fewer sequence in rounds a waiting prefill may wait for
         self.pacer.changed()  # one fewer sequence a gathering launch may wait for
 
     # -- forwards (lane jobs) --
@@ -210,10 +220,13 @@ class Simulator:
             yield done
             self.cache.unpin(held)
 
+    def prefill_unions(self, batch: list[SimRequest]) -> list[frozenset[ExpertKey]]:
+        return [self.s.routing.prefill_union(q.route, q.prompt_tokens) for q in batch]
+
     def _prefill_job(self, batch: list[SimRequest]) -> Job:
         started = self.now
         tokens = sum(q.prompt_tokens for q in batch)
-        unions = [self.s.routing.prefill_union(q.route, q.prompt_tokens) for q in batch]
+        unions = self.prefill_unions(batch)
         experts = len(frozenset().union(*unions))
         yield from self.forward(unions, *self.s.costs.prefill_s(tokens, len(batch), experts, offloaded=self.offloaded))
         self.prefill_s = self.now - started
@@ -241,7 +254,7 @@ class Simulator:
         return self.cache is not None
 
     # -- one sequence's flow --
-    def _prefilled(self, batch: list[SimRequest], _: object) -> None:
+    def prefilled(self, batch: list[SimRequest], _: object = None) -> None:
         for q in batch:
             q.unseen = q.prompt_tokens
             self._emit(q, 1)
