@@ -390,6 +390,7 @@ def test_metrics_cover_requests_latency_acceptance_and_expert_traffic(client, ht
     assert sample(s, "pdflash_expert_bytes_projected_total") > 0
     assert sample(s, "pdflash_live_sequences") == 0 and "pdflash_ws_connections" in s
     assert sample(s, "pdflash_prefills_held_total") == 0  # one request at a time: no seat-mate to wait for
+    assert sample(s, "pdflash_prefills_in_verifies_total") == 0  # no verify was coming while it waited
 
 
 # -- the CLI --------------------------------------------------------------------------------

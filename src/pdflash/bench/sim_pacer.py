@@ -4,10 +4,11 @@ Owns, for pdflash.bench.simulator, what pdflash.engine.pacer.VerifyPacer does in
 a tick when the target lane is about to launch a batch and at most once while a batch runs
 (charged against its in-flight union), with a link the wait for sequences still drafting
 (`_gather_s`, as VerifyPacer._gather_s), the route-ahead prefetch (one claim per admitted
-sequence, pdflash.engine.prefetching's pick, as the engine's), each admitted set as ONE verify on the target lane
-(with the prompts waiting to prefill in its forward, when prefills ride verifies), and after it the scheduler's
-finish, the planner's observations and each sequence's next round. Must not model lanes,
-caches or sequences' flows: the Simulator does.
+sequence, pdflash.engine.prefetching's pick, as the engine's), each admitted set as ONE verify
+on the target lane (with the prompts waiting to prefill in its forward, when prefills ride
+verifies), and after it the scheduler's finish, the planner's observations and each
+sequence's next round and each rider's first. Must not model lanes, caches or sequences'
+flows: the Simulator does.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ a batch runs, as soon as new demands wait; once the sequences still drafting hav
 waiting longer would idle the link, or, resident, cost more than the launch it saves:
 `_gather_s`), the budgets of each tick (fixed, token-only, or derived: every seat's block),
 the route-ahead prefetch of every admitted verify (one cache claim per sequence, what
-pdflash.engine.prefetching picks for the tick's admitted set), launching
-each admitted set as ONE batched verify (with the prompts waiting to prefill in the same forward,
-when prefills ride verifies: pdflash.engine.prefill_mode), and handing each sequence its result. Must not touch lifecycles: every sequence's own
-coroutine registers its demand, awaits its ticket and then `verified(seq)`.
+pdflash.engine.prefetching picks for the tick's admitted set), launching each admitted set as
+ONE batched verify (with the prompts waiting to prefill in the same forward, when prefills ride
+verifies: pdflash.engine.prefill_mode), and handing each sequence its result. Must not touch
+lifecycles: every sequence's own coroutine registers its demand, awaits its ticket and then
+`verified(seq)`.
 
     lane:   [ verify N           ][ verify N+1          ][ ...
     tick:   ^ N+1 charged against resident + N's union (in flight)

@@ -121,6 +121,11 @@ class EngineCollector(Collector):
             "requests whose prefill waited for a seated sequence about to reach its length limit",
             value=s.prefills_held,
         )
+        yield CounterMetricFamily(
+            "pdflash_prefills_in_verifies",
+            "prompts prefilled inside a batched verify's forward",
+            value=s.prefills_in_verifies,
+        )
         yield GaugeMetricFamily(
             "pdflash_mean_acceptance_length", "tokens per verify round since start", value=s.mean_acceptance_length
         )
