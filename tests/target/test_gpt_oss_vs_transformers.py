@@ -53,3 +53,20 @@ def test_batched_chunks_equal_one_sequence_at_a_time(pair):
     for i, expected in enumerate(alone):
         got = torch.cat([first.split(first.logits)[i], second.split(second.logits)[i]])
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prefill_beside_a_verify_gets_its_last_logits_and_the_verify_all_of_its_own(pair):
+    """One forward continuing one sequence by a block and prefilling another (last_logits_only per
+    sequence): the block's rows and the prompt's last row equal the two forwards alone."""
+    target = pair[0].model
+    block, prompt = torch.tensor(PROMPT[7:]), torch.tensor(PROMPT[::-1])
+    alone = target.new_cache()
+    target.forward([torch.tensor(PROMPT[:7])], [alone])
+    expected_block = target.forward([block], [alone]).logits
+    expected_last = target.forward([prompt], [target.new_cache()], last_logits_only=True).logits
+    cache = target.new_cache()
+    target.forward([torch.tensor(PROMPT[:7])], [cache])
+    out = target.forward([block, prompt], [cache, target.new_cache()], last_logits_only=[False, True])
+    got_block, got_last = out.split_logits()
+    torch.testing.assert_close(got_block, expected_block, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_last, expected_last, atol=1e-5, rtol=1e-5)
