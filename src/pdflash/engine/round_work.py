@@ -1,8 +1,9 @@
 """What the lanes run for sequences: batched prefill and drafts, and the block each draft holds.
 
 Owns the lane-side callables of one engine (they take the sequences a lane batched and return
-one result each), the speculation plan asked before each draft, and how a failed batched draft
-is rewound so each sequence can be retried alone. Must not touch lifecycles or scheduling.
+one result each; a verify that prompts ride prefills them in its forward), the speculation plan
+asked before each draft, and how a failed batched draft is rewound so each sequence can be
+retried alone. Must not touch lifecycles or scheduling.
 """
 
 from __future__ import annotations
