@@ -46,16 +46,14 @@ from tqdm import tqdm
 
 from pdflash.bench.configs import parse_configs
 from pdflash.bench.paging import REPLAYED, Access, RecordingPolicy, replay
-from pdflash.bench.profiles import TimeScale, get_profile
+from pdflash.bench.profiles import get_profile
 from pdflash.bench.regrouping import KINDS, batch_accesses, clients, recorded_rounds, schedule
-from pdflash.bench.runner import BenchPlan, engine_recipe, measure_ar_step_s, run_point, token_routed_bytes
-from pdflash.bench.workload import humaneval_prompts
-from pdflash.bundled import default_drafter, default_target
+from pdflash.bench.runner import bundled_behind_link, engine_recipe, run_point
+from pdflash.bundled import default_target
 from pdflash.engine.async_engine import AsyncEngine
 from pdflash.offload.device_cache import OffloadedExperts
 from pdflash.sampling import SamplingParams
 from pdflash.target.config import ModelConfig
-from pdflash.target.tokenizer import TextTokenizer
 
 SPLIT_KINDS = ("autoregressive", "speculative")  # the kinds also replayed in cohorts
 QUANTA = (1, 4, 16, 10**9)  # rounds a cohort runs per turn (10**9: until its sequences end)
@@ -182,8 +180,6 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
 
     target = default_target()
-    drafter = default_drafter(target)
-    assert drafter is not None, "the bundled target ships its drafter"
     config = ModelConfig.from_file(target / "config.json")
     layers = sum(config.moe_layers)  # one cache request per MoE layer per forward
     if args.cohorts is not None:
@@ -202,25 +198,13 @@ def main() -> None:
             plot_shares(rows, total, args.plot)
         _write(args, rows)
         return
-    tokenizer = TextTokenizer(target, config.vocab_size)
-    pool = [tokenizer.encode(text) for text in humaneval_prompts(32)]
     configs = parse_configs(args.configs)
     if not all(c.offloaded for c in configs):
         parser.error("--configs: every configuration must offload its experts (a resident one has no cache)")
-    scale = TimeScale.for_profile(
-        get_profile(args.profile),
-        ar_step_s=measure_ar_step_s(target, pool[:4]),
-        token_routed_bytes=token_routed_bytes(target),
+    run = bundled_behind_link(
+        configs, args.concurrency, profile=args.profile, max_tokens=args.max_tokens, min_requests=args.min_requests
     )
-    plan = BenchPlan(
-        target=target,
-        drafter=drafter,
-        configs=tuple(configs),
-        concurrency=tuple(args.concurrency),
-        max_tokens=args.max_tokens,
-        min_requests=args.min_requests,
-        repeats=1,
-    )
+    plan, scale, pool = run.plan, run.scale, run.pool
     recipe = engine_recipe(plan, scale)
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs), torch "

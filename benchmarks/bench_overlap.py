@@ -23,13 +23,8 @@ import torch
 from tqdm import tqdm
 
 from pdflash.bench.configs import parse_configs
-from pdflash.bench.profiles import TimeScale, get_profile
-from pdflash.bench.runner import BenchPlan, engine_recipe, measure_ar_step_s, run_point, token_routed_bytes
-from pdflash.bench.workload import humaneval_prompts
-from pdflash.bundled import default_drafter, default_target
+from pdflash.bench.runner import bundled_behind_link, engine_recipe, run_point
 from pdflash.sampling import SamplingParams
-from pdflash.target.config import ModelConfig
-from pdflash.target.tokenizer import TextTokenizer
 
 
 def main() -> None:
@@ -45,16 +40,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
 
-    target = default_target()
-    drafter = default_drafter(target)
-    assert drafter is not None, "the bundled target ships its drafter"
-    tokenizer = TextTokenizer(target, ModelConfig.from_file(target / "config.json").vocab_size)
-    pool = [tokenizer.encode(text) for text in humaneval_prompts(32)]
     configs = parse_configs(args.configs)
-    profile = get_profile(args.profile)
-    scale = TimeScale.for_profile(
-        profile, ar_step_s=measure_ar_step_s(target, pool[:4]), token_routed_bytes=token_routed_bytes(target)
+    run = bundled_behind_link(
+        configs, args.concurrency, profile=args.profile, max_tokens=args.max_tokens, min_requests=args.min_requests
     )
+    plan, scale, pool = run.plan, run.scale, run.pool
     if args.regime_ratio is not None:
         scale = attrs.evolve(
             scale, regime_ratio=args.regime_ratio, link_gbps=scale.link_gbps * scale.regime_ratio / args.regime_ratio
@@ -62,15 +52,6 @@ def main() -> None:
     if args.cache_fraction is not None:
         scale = attrs.evolve(scale, cache_fraction=args.cache_fraction)
     free = attrs.evolve(scale, link_gbps=None)
-    plan = BenchPlan(
-        target=target,
-        drafter=drafter,
-        configs=tuple(configs),
-        concurrency=tuple(args.concurrency),
-        max_tokens=args.max_tokens,
-        min_requests=args.min_requests,
-        repeats=1,
-    )
     recipes = {"link": engine_recipe(plan, scale), "free": engine_recipe(plan, free)}
     params = SamplingParams(max_tokens=args.max_tokens)
     print(

@@ -16,22 +16,16 @@ verifies or the prefills? (docs/engine.md, "Prefills inside verifies".)
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 from collections import Counter
 from typing import Any
 
 import torch
 
 from pdflash.bench.configs import parse_configs
-from pdflash.bench.profiles import TimeScale, get_profile
-from pdflash.bench.runner import BenchPlan, engine_recipe, measure_ar_step_s, run_point, token_routed_bytes
-from pdflash.bench.workload import humaneval_prompts
-from pdflash.bundled import default_drafter, default_target
+from pdflash.bench.report import machine
+from pdflash.bench.runner import bundled_behind_link, engine_recipe, run_point
 from pdflash.engine.async_engine import AsyncEngine
 from pdflash.sampling import SamplingParams
-from pdflash.target.config import ModelConfig
-from pdflash.target.tokenizer import TextTokenizer
 
 KINDS = ("verify", "prefill", "both")
 
@@ -77,32 +71,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
 
-    target = default_target()
-    drafter = default_drafter(target)
-    assert drafter is not None, "the bundled target ships its drafter"
-    tokenizer = TextTokenizer(target, ModelConfig.from_file(target / "config.json").vocab_size)
-    pool = [tokenizer.encode(text) for text in humaneval_prompts(32)]
     configs = [c for c in parse_configs(args.configs) if c.offloaded]
-    scale = TimeScale.for_profile(
-        get_profile(args.profile),
-        ar_step_s=measure_ar_step_s(target, pool[:4]),
-        token_routed_bytes=token_routed_bytes(target),
+    run = bundled_behind_link(
+        configs, args.concurrency, profile=args.profile, max_tokens=args.max_tokens, min_requests=args.min_requests
     )
-    plan = BenchPlan(
-        target=target,
-        drafter=drafter,
-        configs=tuple(configs),
-        concurrency=tuple(args.concurrency),
-        max_tokens=args.max_tokens,
-        min_requests=args.min_requests,
-        repeats=1,
-    )
+    plan, scale, pool = run.plan, run.scale, run.pool
     recipe = engine_recipe(plan, scale)
     params = SamplingParams(max_tokens=args.max_tokens)
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs), torch "
-        f"{torch.__version__} with {args.torch_threads} thread(s); bundled pair, {scale.describe()}"
-    )
+    print(f"machine: {machine()}; bundled pair, {scale.describe()}")
     print("| config | c | tok/s | τ | kB/token | forward | calls | prompts | sequence-rounds | MB fetched | kB/token |")
     print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for c in args.concurrency:

@@ -11,7 +11,7 @@ from pdflash.bench.profiles import get_profile
 
 
 def test_cache_share_sets_the_cache_and_keeps_the_profile_s_link(pair, monkeypatch, capsys):
-    monkeypatch.setattr("pdflash.bench.bench_main.humaneval_prompts", lambda n: ["def f(x):", "class A:"][:n])
+    monkeypatch.setattr("pdflash.bench.runner.humaneval_prompts", lambda n: ["def f(x):", "class A:"][:n])
     target, drafter = pair
     argv = [
         "bench", "--target", str(target), "--drafter", str(drafter), "--configs", "ar", "--concurrency", "1",

@@ -17,11 +17,12 @@ from pdflash.bench.runner import (
     BenchPlan,
     engine_recipe,
     measure_ar_step_s,
+    prompt_pool,
     run_point,
     sweep,
     token_routed_bytes,
 )
-from pdflash.bench.workload import humaneval_prompts, poisson_arrivals
+from pdflash.bench.workload import poisson_arrivals
 from pdflash.sampling import SamplingParams
 
 QUICK = {"concurrency": [1, 4], "max_tokens": 16, "prompts": 8, "min_requests": 4, "poisson_requests": 4}
@@ -29,8 +30,6 @@ QUICK = {"concurrency": [1, 4], "max_tokens": 16, "prompts": 8, "min_requests": 
 
 def run(args: argparse.Namespace) -> int:
     from pdflash.bundled import default_drafter, default_target
-    from pdflash.target.config import ModelConfig
-    from pdflash.target.tokenizer import TextTokenizer
 
     torch.set_num_threads(args.torch_threads)
     if args.quick:
@@ -42,8 +41,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = args.drafter or default_drafter(target)
     if drafter is None:
         raise ValueError(f"{target} has no default drafter; give --drafter (B1-B3 speculate)")
-    tokenizer = TextTokenizer(target, ModelConfig.from_file(target / "config.json").vocab_size)
-    pool = [tokenizer.encode(text) for text in humaneval_prompts(args.prompts)]
+    pool = prompt_pool(target, args.prompts)
 
     if args.calibrate is not None:
         from pdflash.bench.calibrate import calibrate

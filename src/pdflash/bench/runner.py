@@ -3,7 +3,8 @@
 Owns building one fresh engine per (configuration, point) from the time scale, the
 closed-loop clients and the Poisson (open-loop) clients, reading each request's figures
 from its RequestOutput.metrics and the engine's and provider's stats, the interleaved
-sweep order, and routing recording. Must not compute metrics (pdflash.bench.metrics) nor
+sweep order, routing recording, and the prompts and link-bound plan the benchmark scripts
+share (`prompt_pool`, `bundled_behind_link`). Must not compute metrics (pdflash.bench.metrics) nor
 format reports (pdflash.bench.report).
 """
 
@@ -19,11 +20,15 @@ import attrs
 
 from pdflash.bench.configs import BenchConfig, two_d_budgets
 from pdflash.bench.metrics import PointResult, RequestRecord, Traffic, summarise
-from pdflash.bench.profiles import TimeScale
+from pdflash.bench.profiles import TimeScale, get_profile
 from pdflash.bench.routing import RoutingRecorder
+from pdflash.bench.workload import humaneval_prompts
+from pdflash.bundled import default_drafter, default_target
 from pdflash.engine.async_engine import AsyncEngine
 from pdflash.engine.charging import largest_block_union_bytes
 from pdflash.sampling import SamplingParams
+from pdflash.target.config import ModelConfig
+from pdflash.target.tokenizer import TextTokenizer
 
 
 @attrs.frozen(kw_only=True)
@@ -129,6 +134,47 @@ def token_routed_bytes(target: Path) -> int:
     for (layer, _), nbytes in spec.expert_nbytes.items():
         per_layer.setdefault(layer, []).append(nbytes)
     return round(sum(cfg.top_k * statistics.mean(sizes) for sizes in per_layer.values()))
+
+
+def prompt_pool(target: Path, count: int) -> list[list[int]]:
+    """The first `count` HumanEval headers in `target`'s tokens: what every point's requests send."""
+    tokenizer = TextTokenizer(target, ModelConfig.from_file(target / "config.json").vocab_size)
+    return [tokenizer.encode(text) for text in humaneval_prompts(count)]
+
+
+@attrs.frozen(kw_only=True)
+class LinkedRun:
+    """The bundled pair's configurations behind a profile's time-scaled link, one repeat per point."""
+
+    plan: BenchPlan
+    scale: TimeScale  # measured here: this machine's AR step sets the link's rate
+    pool: list[list[int]]  # 32 HumanEval headers, tokenized
+
+
+def bundled_behind_link(
+    configs: Sequence[BenchConfig], concurrency: Sequence[int], *, profile: str, max_tokens: int, min_requests: int
+) -> LinkedRun:
+    """What a benchmark script runs `pdflash bench` points with: the bundled target and drafter,
+    the time scale of `profile` measured on this machine (as `pdflash bench` does) and the prompts."""
+    target = default_target()
+    drafter = default_drafter(target)
+    assert drafter is not None, "the bundled target ships its drafter"
+    pool = prompt_pool(target, 32)
+    scale = TimeScale.for_profile(
+        get_profile(profile),
+        ar_step_s=measure_ar_step_s(target, pool[:4]),
+        token_routed_bytes=token_routed_bytes(target),
+    )
+    plan = BenchPlan(
+        target=target,
+        drafter=drafter,
+        configs=tuple(configs),
+        concurrency=tuple(concurrency),
+        max_tokens=max_tokens,
+        min_requests=min_requests,
+        repeats=1,
+    )
+    return LinkedRun(plan=plan, scale=scale, pool=pool)
 
 
 async def _one_request(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> RequestRecord:
