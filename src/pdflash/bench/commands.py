@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdflash.bench.configs import BASELINES
-from pdflash.cli.options import add_drafter_lane_flag, add_prefill_mode_flag
+from pdflash.cli.options import add_engine_layout_flags
 from pdflash.engine.prefill_mode import PREFILL_MODES
 
 DEFAULT_PROFILE = "qwen3-30b-a3b@h200-pcie5"
@@ -95,8 +95,7 @@ def register_subcommands(sub) -> None:
     bench.add_argument("--calibrate", type=Path, metavar="FILE", help="measure per-forward costs, write FILE, stop")
     bench.add_argument("--record-routing", type=Path, metavar="FILE", help="record routing traces for simulate")
     bench.add_argument("--torch-threads", type=int, default=1, help="intra-op threads (default 1: shared cores)")
-    add_drafter_lane_flag(bench)
-    add_prefill_mode_flag(bench)
+    add_engine_layout_flags(bench)
     bench.set_defaults(func=cmd_bench)
 
     sim = sub.add_parser(

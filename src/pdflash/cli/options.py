@@ -14,33 +14,28 @@ from pdflash.bundled import default_drafter, default_target
 from pdflash.cli.errors import EXIT_DEVICE, UserError
 
 
-def add_drafter_lane_flag(p: argparse.ArgumentParser) -> None:
-    """--drafter-lane, for every command that builds an engine."""
+def add_engine_layout_flags(p: argparse.ArgumentParser) -> None:
+    """--drafter-lane and --prefill-mode, for every command that builds an engine."""
     from pdflash.engine.lanes import DRAFTER_LANES
-
-    p.add_argument(
-        "--drafter-lane",
-        choices=DRAFTER_LANES,
-        default="auto",
-        help="where the drafter runs: a lane (thread) of its own, so sequences draft while others verify, "
-        "or shared with the target, which then runs both with every torch thread; auto shares it only "
-        "with experts resident on a CPU of 2-3 threads, where its own lane would halve each verify's "
-        "threads (default auto; docs/engine.md)",
-    )
-
-
-def add_prefill_mode_flag(p: argparse.ArgumentParser) -> None:
-    """--prefill-mode, for every command that builds an engine."""
     from pdflash.engine.prefill_mode import PREFILL_MODES
 
-    p.add_argument(
-        "--prefill-mode",
-        choices=PREFILL_MODES,
-        default="auto",
-        help="where a prompt's prefill runs: inside the next batched verify (one forward, so the experts "
-        "both route to cross the link once) or alone as soon as the target frees; auto prefills inside "
-        "verifies when experts are offloaded (default auto; docs/engine.md)",
-    )
+    layout = {
+        "--drafter-lane": (
+            DRAFTER_LANES,
+            "where the drafter runs: a lane (thread) of its own, so sequences draft while others verify, "
+            "or shared with the target, which then runs both with every torch thread; auto shares it only "
+            "with experts resident on a CPU of 2-3 threads, where its own lane would halve each verify's "
+            "threads (default auto; docs/engine.md)",
+        ),
+        "--prefill-mode": (
+            PREFILL_MODES,
+            "where a prompt's prefill runs: inside the next batched verify (one forward, so the experts "
+            "both route to cross the link once) or alone as soon as the target frees; auto prefills inside "
+            "verifies when experts are offloaded (default auto; docs/engine.md)",
+        ),
+    }
+    for flag, (choices, help_text) in layout.items():
+        p.add_argument(flag, choices=choices, default="auto", help=help_text)
 
 
 def check_device(device: str) -> None:

@@ -17,7 +17,7 @@ from pdflash.bench.commands import register_subcommands as register_bench_subcom
 from pdflash.chat.families import FAMILIES
 from pdflash.cli.commands import cmd_generate, cmd_make_tiny, cmd_train_drafter
 from pdflash.cli.errors import EXIT_BROKEN_PIPE, EXIT_FILE, EXIT_INTERRUPTED, UserError
-from pdflash.cli.options import add_drafter_lane_flag, add_prefill_mode_flag
+from pdflash.cli.options import add_engine_layout_flags
 from pdflash.cli.serve import API_KEY_ENV, cmd_serve
 from pdflash.cli.train_route_head import register as register_train_route_head
 from pdflash.spec.projection import PROJECTORS
@@ -53,8 +53,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "tokens per second of compute and link bytes (1 = plain decoding, drafter skipped); fixed always "
         "drafts the whole block (default adaptive)",
     )
-    add_drafter_lane_flag(p)
-    add_prefill_mode_flag(p)
+    add_engine_layout_flags(p)
     p.add_argument(
         "--block-size", type=_positive_int, default=None, help="draft block size, >= 2 (default: the drafter's)"
     )
