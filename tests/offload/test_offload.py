@@ -298,6 +298,21 @@ def test_emulated_link_time_is_exposed_and_labelled(store, config):
     assert stats["link"] == "emulated"
     assert stats["exposed_fetch_s"] >= 0.9 * 3 * provider.link.transfer_s(store.nbytes((0, 0)))
     provider.close()
+
+
+def test_link_busy_time_is_the_pipes_time_for_prefetches_and_misses_alike(store, config):
+    provider = provider_over(store, config, expert_cache_fraction=1.0, link_gbps=1.0, link_latency_s=0.01)
+    each_s = provider.link.transfer_s(store.nbytes((0, 0)))
+    provider.prefetch([(1, 0), (1, 1)])
+    assert provider.lane.wait_idle(timeout=10)
+    list(provider.waves(0, [0, 1, 2]))  # three misses
+    busy_s = provider.stats()["link_busy_s"]
+    assert 5 * each_s * 0.9 <= busy_s <= 5 * each_s + 0.5  # five fetches; the bound above: the lane's own steps
+    list(provider.waves(0, [0, 1, 2]))  # all hits: the link carries nothing more
+    assert provider.stats()["link_busy_s"] == busy_s
+    provider.reset_stats()
+    assert provider.stats()["link_busy_s"] == 0.0
+    provider.close()
     with provider_over(store, config, expert_cache_fraction=0.5) as plain:
         assert plain.stats()["link"] == "none"
         assert plain.link_bytes_per_s is None  # host memory is the device tier: copies cost no link time

@@ -385,6 +385,7 @@ def test_metrics_cover_requests_latency_acceptance_and_expert_traffic(client, ht
     ):
         assert sample(s, histogram + "_count") > 0, histogram
     assert sample(s, "pdflash_expert_bytes_fetched_total") > 0
+    assert sample(s, "pdflash_link_busy_seconds_total") > 0  # the fetches took the emulated link's time
     assert 0 <= sample(s, "pdflash_expert_cache_hit_rate") <= 1
     assert sample(s, "pdflash_expert_link_bytes_per_second") == 16e9  # the emulated link's rate, priced by
     assert sample(s, "pdflash_expert_bytes_projected_total") > 0

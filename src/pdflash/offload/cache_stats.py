@@ -1,6 +1,6 @@
 """The device cache's counters and the snapshot of them its stats report.
 
-Owns what is counted (fetches, hits and misses by bytes, evictions, exposed fetch time,
+Owns what is counted (fetches, hits and misses by bytes, evictions, exposed fetch and link-busy time,
 prefetch coverage and waste) and how a snapshot is derived from the counts. The cache
 updates the counters under its own lock; this module knows nothing of slots or threads.
 """
@@ -21,6 +21,7 @@ class Counters:
     evictions: int = 0
     peak_slots: int = 0
     exposed_fetch_s: float = 0.0
+    link_busy_s: float = 0.0
     prefetch_requests: int = 0
     prefetch_fetches: int = 0
     prefetch_bytes: int = 0
@@ -51,6 +52,7 @@ class OffloadStats:
     expert_cache_hit_rate: float  # hit_bytes / (hit_bytes + miss_bytes), 0.0 before any need
     evictions: int
     exposed_fetch_s: float  # time forwards spent waiting for the lane (or for a free slot)
+    link_busy_s: float  # time the lane spent carrying fetches (emulated link: the pipe's time; CUDA: issuing copies)
     prefetch_requests: int  # prefetch keys queued (not resident when asked)
     prefetch_fetches: int  # of those, fetched
     prefetch_bytes: int  # byte-map bytes fetched by prefetches

@@ -347,15 +347,18 @@ class OffloadedExperts:
 
     def _load(self, entry: Entry) -> bool:
         """Copy `entry`'s expert into its slot over the link; on failure free the slot and report it."""
+        started = time.perf_counter()
         try:
             host = self.store.expert(entry.key)
             entry.loaded = self.arena.copy_in(entry.slot, host, after=self._readers_of(entry.slot))
             self.link.transfer(host.nbytes, requested_at=entry.requested_at)
         except Exception as exc:
             with self._cond:
+                self._counters.link_busy_s += time.perf_counter() - started
                 self._fail(entry, exc)
             return False
         with self._cond:
+            self._counters.link_busy_s += time.perf_counter() - started
             entry.state = EntryState.READY
             self._counters.fetches += 1
             self._counters.expert_bytes_fetched += entry.nbytes

@@ -168,6 +168,9 @@ def _provider_metrics(p: dict | None):
     yield CounterMetricFamily(
         "pdflash_exposed_fetch_seconds", "time forwards waited for expert fetches", value=p["exposed_fetch_s"]
     )
+    yield CounterMetricFamily(
+        "pdflash_link_busy_seconds", "time the host-to-device link carried expert fetches", value=p["link_busy_s"]
+    )
     info = GaugeMetricFamily(
         "pdflash_expert_link_info", "host-to-device link kind (emulated: simulated bandwidth)", labels=["link"]
     )
