@@ -6,7 +6,9 @@ cache). In a link-bound regime nothing beats the link's own time, bytes fetched 
 in a compute-bound one nothing beats the free-link wall. A pipeline that never lets one wait
 on the other reaches max(free-link wall, bytes / rate): the ratio printed (issue 22's bar is
 <= 1.05). `--regime-ratio` rescales the link (R = one token's fetch time / one AR step: the
-profile's R is link-bound; R = 1 is balanced, where overlap matters most).
+profile's R is link-bound; R = 1 is balanced, where overlap matters most). Where the wall of the
+run with the link went, as shares of it: the link carrying fetches; forwards running while the
+link idled (compute no copy overlapped); nothing running (hand-offs between rounds).
 
     python benchmarks/bench_overlap.py --configs ar,dflash-token,adaptive --concurrency 1 16 32
     python benchmarks/bench_overlap.py --regime-ratio 1 --cache-fraction 0.6
@@ -59,8 +61,11 @@ def main() -> None:
         f"{torch.__version__} with {args.torch_threads} thread(s); bundled pair, {args.profile}, "
         f"R = {scale.regime_ratio:.1f}, link {scale.link_gbps * 1e3:.2f} MB/s, cache {scale.cache_fraction:.1%}"
     )
-    print("| config | c | wall, link s | wall, free link s | bytes / link rate s | wall / max | kB/token |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| config | c | wall, link s | wall, free link s | bytes / link rate s | wall / max | kB/token "
+        "| link busy | compute, link idle | nothing |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rate = scale.link_gbps * 1e9
     with tqdm(total=2 * len(configs) * len(args.concurrency), desc="runs", leave=False) as bar:
         for c in args.concurrency:
@@ -75,9 +80,11 @@ def main() -> None:
                 link, unlinked = runs["link"], runs["free"]
                 link_s = link.bytes_per_token * link.tokens / rate
                 bound = max(unlinked.wall_s, link_s)
+                compute_only = max(0.0, 1.0 - link.link_busy_share - link.engine_overhead)
                 print(
                     f"| {config.name} | {c} | {link.wall_s:.2f} | {unlinked.wall_s:.2f} | {link_s:.2f} | "
-                    f"{link.wall_s / bound:.2f} | {link.bytes_per_token / 1e3:,.0f} |",
+                    f"{link.wall_s / bound:.2f} | {link.bytes_per_token / 1e3:,.0f} | {link.link_busy_share:.0%} | "
+                    f"{compute_only:.0%} | {link.engine_overhead:.0%} |",
                     flush=True,
                 )
 

@@ -55,7 +55,9 @@ def test_a_time_scaled_point_reports_engine_and_provider_figures(pair):
     )
     assert offloaded.bytes_per_token > 0 and 0.0 <= offloaded.hit_rate <= 1.0
     assert offloaded.exposed_fetch_share > 0  # the emulated link binds
-    assert resident.bytes_per_token == 0
+    pipe_s = offloaded.bytes_per_token * offloaded.tokens / (scale.link_gbps * 1e9)  # what the emulated pipe carried
+    assert 0.9 * pipe_s / offloaded.wall_s <= offloaded.link_busy_share <= 1.0
+    assert resident.bytes_per_token == 0 and resident.link_busy_share == 0
     assert 0 < offloaded.fairness <= 1.0
 
 

@@ -101,6 +101,7 @@ def test_one_sequence_without_cache_hits_equals_the_arithmetic(config, tau):
     assert result.bytes_per_token == pytest.approx(rounds * LAYERS * EXPERT_BYTES / max_tokens)
     assert result.hit_rate == 0.0
     assert result.exposed_fetch_share == pytest.approx(rounds * LAYERS * fetch_s / wall_s)
+    assert result.link_busy_share == pytest.approx(rounds * LAYERS * fetch_s / wall_s)  # every copy waited on
     assert result.tau == pytest.approx((max_tokens - 1) / rounds)  # the last round is clipped
 
 

@@ -43,6 +43,7 @@ class Traffic:
     # wall time with a forward or an expert copy running, each instant counted once (the engine's
     # EngineStats.busy_s); a simulated run gives its forwards' time (model_s)
     busy_s: float = attrs.field(default=attrs.Factory(lambda self: self.model_s, takes_self=True))
+    link_busy_s: float = 0.0  # time the link carried fetches (the cache's link_busy_s)
 
 
 @attrs.frozen(kw_only=True)
@@ -67,6 +68,8 @@ class PointResult:
     admission_wait_p99_ms: float
     fairness: float  # Jain's index over per-request token rates
     engine_overhead: float  # share of wall with neither a forward nor an expert copy running: 1 - busy / wall
+    # share of wall the link carried fetches; 1 - this - engine_overhead: forwards ran while the link idled
+    link_busy_share: float = math.nan  # (nan: a report written before it was measured)
     extra: dict = attrs.field(factory=dict)  # run-specific notes (time scale, budgets, source)
 
     def as_dict(self) -> dict:
@@ -129,5 +132,6 @@ def summarise(
         admission_wait_p99_ms=1e3 * percentile(waits, 0.99),
         fairness=jain(rates),
         engine_overhead=max(0.0, 1 - traffic.busy_s / wall_s) if wall_s else math.nan,  # busy may end just after wall
+        link_busy_share=traffic.link_busy_s / wall_s if wall_s else math.nan,
         extra=dict(extra),
     )

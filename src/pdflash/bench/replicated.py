@@ -67,5 +67,6 @@ def replicated_point(concurrency: int, replicas: int, simulate: Callable[[int], 
         admission_wait_p99_ms=worst("admission_wait_p99_ms"),
         fairness=worst("fairness", min),
         engine_overhead=mean("engine_overhead"),
+        link_busy_share=mean("link_busy_share"),
         extra=first.extra | {"replicas": replicas, "replica_loads": sorted(loads.elements(), reverse=True)},
     )

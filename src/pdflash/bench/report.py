@@ -32,6 +32,7 @@ COLUMNS = (
     ("exposed fetch", "exposed_fetch_share", ".0%"),
     ("adm. wait p50/p99 ms", "admission_wait", "pair"),
     ("Jain", "fairness", ".3f"),
+    ("link busy", "link_busy_share", ".0%"),
     ("overhead", "engine_overhead", ".0%"),
 )
 

@@ -209,6 +209,7 @@ def _traffic(engine: AsyncEngine) -> Traffic:
         exposed_fetch_s=p.get("exposed_fetch_s", 0.0),
         model_s=stats.model_s,
         busy_s=stats.busy_s,
+        link_busy_s=p.get("link_busy_s", 0.0),
     )
 
 

@@ -233,5 +233,6 @@ class SimCache:
                 entry = self._add(_Entry(job.key, self.byte_map[job.key], prefetched=True))
                 self.counters.prefetch_bytes += entry.nbytes
             entry.ready_at = self._link_free_at = start + entry.nbytes / self.rate
+            self.counters.link_busy_s += entry.nbytes / self.rate
             self.counters.expert_bytes_fetched += entry.nbytes
             self.counters.fetches += 1

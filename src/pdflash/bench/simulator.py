@@ -345,5 +345,6 @@ class Simulator:
             hit_bytes=c.hit_bytes if c else 0,
             miss_bytes=c.miss_bytes if c else 0,
             exposed_fetch_s=c.exposed_fetch_s if c else 0.0,
+            link_busy_s=c.link_busy_s if c else 0.0,
             model_s=self.target.busy_s + (self.drafter.busy_s if self.drafter is not self.target else 0.0),
         )
