@@ -10,7 +10,7 @@ from engine_cases import collect, drained
 from test_engine import GREEDY, PROMPTS, SlowLink
 
 from pdflash.engine.round_work import RoundWork
-from pdflash.engine.speculation import SpeculationPlanner, _ComputeFit
+from pdflash.engine.speculation import RoutingShape, SpeculationPlanner, VerifyCost, _ComputeFit
 from pdflash.sampling import SamplingParams
 from pdflash.spec.policy import choose_block
 from pdflash.spec.projection import ProjectionQuality
@@ -64,6 +64,89 @@ def test_one_verify_size_splits_by_the_prior_ratio():
     fixed, per_token = fit.solve()
     assert fixed + 8 * per_token == pytest.approx(0.014)
     assert per_token == pytest.approx(0.05 * fixed)
+
+
+BUNDLED = RoutingShape(layers=4, experts=32, top_k=4)  # the bundled target's routing
+
+
+def test_a_routing_shape_counts_the_experts_its_tokens_route():
+    assert RoutingShape.of([(layer, e) for layer in range(4) for e in range(32)], top_k=4) == BUNDLED
+    assert RoutingShape.of([], top_k=4) is None
+    assert BUNDLED.uniform_union(1) == pytest.approx(16)  # top_k in each layer
+    assert BUNDLED.uniform_union(16) == pytest.approx(128 * (1 - (28 / 32) ** 16))
+    assert BUNDLED.uniform_union(10_000) == pytest.approx(128)  # every expert, at most
+    skewed = VerifyCost(fixed_s=0.0, token_s=0.0, expert_s=1.0, routing=BUNDLED, skew=0.5)
+    assert skewed.experts(1) == pytest.approx(16)  # one token's union is top_k per layer whatever the skew
+    assert skewed.experts(16) == pytest.approx(16 + 0.5 * (BUNDLED.uniform_union(16) - 16))
+
+
+def routed_seconds(tokens: int, skew: float = 1.0) -> tuple[float, int]:
+    """(seconds, experts) of a verify whose cost is 3 ms + 0.2 ms a token + 0.1 ms an expert routed."""
+    experts = VerifyCost(fixed_s=0.0, token_s=0.0, expert_s=1.0, routing=BUNDLED, skew=skew).experts(tokens)
+    return 0.003 + 0.0002 * tokens + 0.0001 * experts, round(experts)
+
+
+@pytest.mark.parametrize("skew", [1.0, 0.6])
+def test_the_routed_fit_recovers_fixed_token_and_expert_seconds(skew):
+    fit = _ComputeFit()
+    assert fit.solve_routed(BUNDLED) is None
+    for tokens in (1, 4, 16, 9, 2, 12) * 2:  # plain rounds and short blocks only
+        fit.observe(tokens, *routed_seconds(tokens, skew))
+    cost = fit.solve_routed(BUNDLED)
+    assert cost.skew == pytest.approx(skew, abs=0.01)
+    assert (cost.fixed_s, cost.token_s, cost.expert_s) == pytest.approx((0.003, 0.0002, 0.0001), rel=0.05, abs=2e-5)
+    # what it never saw: a block of 8 for 16 sequences costs what the model says, not what a line
+    # in tokens through 1 .. 16 extrapolates
+    assert cost.seconds(128) == pytest.approx(routed_seconds(128, skew)[0], rel=0.03)
+    line = fit.solve()
+    assert line[0] + 128 * line[1] > 1.5 * routed_seconds(128, skew)[0]
+
+
+def test_two_verify_sizes_fit_the_experts_not_a_line_in_tokens():
+    """Two sizes fit any two-parameter model exactly; the one by experts routed is kept: it prices
+    a larger verify by what more tokens can still add, so the policy tries one and measures it."""
+    fit = _ComputeFit()
+    for tokens in (1, 16) * 2:
+        fit.observe(tokens, *routed_seconds(tokens))
+    cost = fit.solve_routed(BUNDLED)
+    assert cost.token_s == 0 and cost.expert_s > 0
+    assert cost.seconds(1) == pytest.approx(routed_seconds(1)[0], rel=1e-3)
+    assert cost.seconds(16) == pytest.approx(routed_seconds(16)[0], rel=1e-3)
+    assert fit.solve_routed(None) == VerifyCost(fixed_s=fit.solve()[0], token_s=fit.solve()[1])  # no shape: the line
+
+
+def test_a_sequence_is_priced_its_share_of_a_batch_that_chooses_as_it_does():
+    cost = VerifyCost(fixed_s=0.003, token_s=0.0002, expert_s=0.0001, routing=BUNDLED)
+    assert cost.share_s(8, 1) == pytest.approx(cost.variable_s(8))  # alone: the whole verify
+    assert cost.share_s(8, 16) == pytest.approx(cost.variable_s(128) / 16)
+    assert cost.share_s(8, 16) < 8 * cost.share_s(1, 16)  # the batch's experts are shared
+    linear = VerifyCost(fixed_s=0.003, token_s=0.0002)
+    assert linear.share_s(8, 16) == pytest.approx(8 * 0.0002)  # without a shape: per token, as before
+
+
+def test_a_batch_that_decodes_plainly_still_finds_blocks_worth_drafting_together():
+    """The regression this model fixes (resident, 16 sequences, the bundled pair, CPU): having
+    verified mostly plain rounds, a line in tokens priced a block of 8 for all 16 at 3.5x what it
+    took, and a lone draft at the fixed cost of a whole drafter call, so the policy decoded
+    plainly (634 tok/s) where blocks of 8 made 716 (tests/engine/test_speculation.py's costs are
+    that run's, rounded)."""
+    for routing, drafts in ((BUNDLED, True), (None, False)):
+        planner = SpeculationPlanner("adaptive", 8, link_bytes_per_s=None, routing=routing)
+        for tokens in (1, 16, 15, 16, 1, 15) * 3:  # plain rounds, as the requests come and go
+            seconds, experts = routed_seconds(tokens)
+            planner.observe_verify([trace(1, (0,))] * tokens, seconds, experts)
+        for _ in range(3):
+            planner.observe_draft(1, 0.004)  # lone drafts: one call's fixed cost for one sequence
+        for _ in range(16):
+            planner.observe_verify([trace(1, (0,))] * 16, *routed_seconds(16))
+        seq = planner.track()
+        for accepted in (1, 3, 2, 0, 4, 2) * 5:  # τ ≈ 3 for a block of 8, as that run's
+            seq.observe(8, accepted)
+        assert (choose_block(planner.inputs(seq)).block > 1) == drafts, routing
+    assert planner.draft_share_s(1) == pytest.approx(0.004)  # one size timed: its seconds, split by the prior
+    planner.observe_draft(16, 0.008)
+    planner.observe_draft(16, 0.008)
+    assert planner.draft_share_s(16) == pytest.approx(0.008 / 16)  # the fitted call, shared
 
 
 def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_drafts_the_block_without():

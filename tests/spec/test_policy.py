@@ -14,6 +14,16 @@ MB = 1_000_000
 LIGHT_PRIOR = AcceptancePrior(prior=0.6, prior_weight=2.0)  # the estimator's dynamics, seen in few rounds
 
 
+def per_token(round_s: float, token_s: float, draft_s: float, link: float | None, blocks: int = 8) -> RoundCosts:
+    """Costs whose verify compute grows by `token_s` with each block token (b = 1 .. `blocks`)."""
+    return RoundCosts(
+        round_s=round_s,
+        block_s=tuple(b * token_s for b in range(1, blocks + 1)),
+        draft_s=draft_s,
+        link_bytes_per_s=link,
+    )
+
+
 def test_expected_committed_is_one_plus_the_survival_sum():
     a = (0.8, 0.5, 0.25)
     assert expected_committed(a, 1) == 1.0
@@ -26,7 +36,7 @@ def test_a_calibration_weighs_the_drafts_at_what_they_realized():
     assert expected_committed(a, 4, 0.5) == pytest.approx(1 + 0.5 * (0.8 + 0.4 + 0.1))
     # shared bytes, 0.9 acceptance: at the estimates a block pays; drafts realizing 30% of that do not
     prefix = tuple(MB + int(0.3 * MB) * (b - 1) for b in range(1, 9))
-    costs = RoundCosts(round_s=0.010, token_s=0.001, draft_s=0.005, link_bytes_per_s=10 * MB)
+    costs = per_token(0.010, 0.001, 0.005, 10 * MB)
     inputs = PolicyInputs(acceptance=(0.9,) * 7, prefix_fetch_bytes=prefix, costs=costs)
     assert choose_block(inputs).block > 1
     calibrated = PolicyInputs(acceptance=(0.9,) * 7, prefix_fetch_bytes=prefix, costs=costs, acceptance_calibration=0.3)
@@ -41,7 +51,7 @@ def test_link_bound_at_concurrency_one_decodes_plainly():
     inputs = PolicyInputs(
         acceptance=(0.7,) * 7,
         prefix_fetch_bytes=tuple(b * MB for b in range(1, 9)),
-        costs=RoundCosts(round_s=0.010, token_s=0.001, draft_s=0.005, link_bytes_per_s=10 * MB),
+        costs=per_token(0.010, 0.001, 0.005, 10 * MB),
     )
     choice = choose_block(inputs)
     # b=1: 1 / (0.010 + 0.001 + 0.1) = 9.01 tok/s; b=2: 1.7 / (0.010 + 0.002 + 0.005 + 0.2) = 7.83
@@ -57,7 +67,7 @@ def test_shared_bytes_make_short_blocks_pay_when_link_bound():
     inputs = PolicyInputs(
         acceptance=(0.9, 0.6, 0.3, 0.1, 0.1, 0.1, 0.1),
         prefix_fetch_bytes=prefix,
-        costs=RoundCosts(round_s=0.010, token_s=0.001, draft_s=0.005, link_bytes_per_s=10 * MB),
+        costs=per_token(0.010, 0.001, 0.005, 10 * MB),
     )
     choice = choose_block(inputs)
     rates = [expected_committed(inputs.acceptance, b) / round_cost_s(inputs, b) for b in range(1, 9)]
@@ -69,7 +79,7 @@ def test_resident_with_high_acceptance_drafts_the_whole_block():
     inputs = PolicyInputs(
         acceptance=(0.9,) * 7,
         prefix_fetch_bytes=(0,) * 8,
-        costs=RoundCosts(round_s=0.010, token_s=0.0005, draft_s=0.003, link_bytes_per_s=None),
+        costs=per_token(0.010, 0.0005, 0.003, None),
     )
     choice = choose_block(inputs)
     assert choice.block == 8
@@ -81,7 +91,7 @@ def test_ties_go_to_the_shorter_block():
     inputs = PolicyInputs(
         acceptance=(0.0,),
         prefix_fetch_bytes=(0, 0),
-        costs=RoundCosts(round_s=0.01, token_s=0.0, draft_s=0.0, link_bytes_per_s=None),
+        costs=per_token(0.01, 0.0, 0.0, None, blocks=2),
     )
     assert choose_block(inputs).block == 1
 
@@ -96,16 +106,20 @@ def test_ties_go_to_the_shorter_block():
     ],
 )
 def test_bad_policy_inputs_say_what_is_wrong(kwargs, message):
-    costs = RoundCosts(round_s=0.01, token_s=0.0, draft_s=0.0, link_bytes_per_s=None)
+    costs = per_token(0.01, 0.0, 0.0, None)
     with pytest.raises(ValueError, match=message):
         PolicyInputs(costs=costs, **kwargs)
 
 
 def test_bad_costs_and_priors_say_what_is_wrong():
     with pytest.raises(ValueError, match="draft_s must be >= 0"):
-        RoundCosts(round_s=0.0, token_s=0.0, draft_s=-1.0, link_bytes_per_s=None)
+        per_token(0.0, 0.0, -1.0, None)
+    with pytest.raises(ValueError, match="block_s needs b = 1 .. B seconds, each >= 0"):
+        RoundCosts(round_s=0.0, block_s=(0.001, -0.001), draft_s=0.0, link_bytes_per_s=None)
+    with pytest.raises(ValueError, match="8 block lengths need as many block_s, got 2"):
+        PolicyInputs(acceptance=(0.5,) * 7, prefix_fetch_bytes=(0,) * 8, costs=per_token(0.0, 0.0, 0.0, None, blocks=2))
     with pytest.raises(ValueError, match="link_bytes_per_s must be > 0"):
-        RoundCosts(round_s=0.0, token_s=0.0, draft_s=0.0, link_bytes_per_s=0.0)
+        per_token(0.0, 0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="sequence_decay"):
         AcceptancePrior(sequence_decay=0.0)
     with pytest.raises(ValueError, match="accepted_drafts=8"):
@@ -140,7 +154,7 @@ def test_a_run_of_rejections_backs_off_and_recovery_follows_acceptance():
     """Loop the estimator through the policy, deciding on draws as the engine does: rejections ->
     plain decoding; the pooled estimate keeps what it saw, but its posterior still has room, so a
     draw now and then probes, and once drafts are accepted again it returns to the whole block."""
-    costs = RoundCosts(round_s=0.010, token_s=0.0005, draft_s=0.004, link_bytes_per_s=None)
+    costs = per_token(0.010, 0.0005, 0.004, None)
     model = AcceptanceModel(8, LIGHT_PRIOR)
     seq = model.for_sequence()
 
@@ -212,8 +226,8 @@ def test_draws_probe_while_uncertain_and_stop_where_no_draw_can_pay():
     """Link-bound at one sequence, a drafter accepting 0.6 never pays: once that is well observed no
     draw makes a draft worth it, while fresh (the prior alone) some draws still probe. Resident,
     where the same drafter pays, nearly every draw drafts."""
-    link_bound = RoundCosts(round_s=0.010, token_s=0.001, draft_s=0.005, link_bytes_per_s=10 * MB)
-    resident = RoundCosts(round_s=0.010, token_s=0.0005, draft_s=0.003, link_bytes_per_s=None)
+    link_bound = per_token(0.010, 0.001, 0.005, 10 * MB)
+    resident = per_token(0.010, 0.0005, 0.003, None)
 
     def drafted_share(model: AcceptanceModel, costs: RoundCosts, fetch: tuple[int, ...]) -> float:
         seq = model.for_sequence()
@@ -223,12 +237,12 @@ def test_draws_probe_while_uncertain_and_stop_where_no_draw_can_pay():
         ]
         return sum(b > 1 for b in blocks) / len(blocks)
 
-    per_token = tuple(b * MB // 5 for b in range(1, 9))  # 0.02 s of link per position
+    per_position = tuple(b * MB // 5 for b in range(1, 9))  # 0.02 s of link per position
     observed, rng = AcceptanceModel(8), random.Random(0)
     for _ in range(300):  # each draft accepted with probability 0.6, given the ones before it were
         accepted = next((k for k in range(7) if rng.random() >= 0.6), 7)
         observed.for_sequence().observe(8, accepted)
     assert all(abs(a - 0.6) < 0.12 for a in observed.global_estimate()), observed.global_estimate()
-    assert drafted_share(AcceptanceModel(8), link_bound, per_token) > 0.01  # fresh: it probes
-    assert drafted_share(observed, link_bound, per_token) < 0.01  # known not to pay: it stops
+    assert drafted_share(AcceptanceModel(8), link_bound, per_position) > 0.01  # fresh: it probes
+    assert drafted_share(observed, link_bound, per_position) < 0.01  # known not to pay: it stops
     assert drafted_share(observed, resident, (0,) * 8) > 0.95

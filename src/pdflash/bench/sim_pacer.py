@@ -195,7 +195,11 @@ class SimPacer:
         traces = [self._trace(r, p, f) for r, p, f in zip(rounds, positions, further, strict=True)]
         for q in batch:
             self.sim.scheduler.finish(q.rid)
-        self.sim.planner.observe_verify(traces, None if riders else max(0.0, self.sim.now - launched - waited))
+        self.sim.planner.observe_verify(
+            traces,
+            None if riders else max(0.0, self.sim.now - launched - waited),
+            len(frozenset().union(*(r.actual for r in rounds))),
+        )
         self._running = None
         for q, r in zip(batch, rounds, strict=True):
             self.sim.stream(q, r)

@@ -31,7 +31,7 @@ from pdflash.engine.config import EngineConfig
 from pdflash.engine.pacer import DerivedBudgets
 from pdflash.engine.prefill_mode import prefill_waits_for_verify, prefills_ride_verifies
 from pdflash.engine.seating import prefill_waits, seconds_to_limit
-from pdflash.engine.speculation import SpeculationPlanner
+from pdflash.engine.speculation import RoutingShape, SpeculationPlanner
 from pdflash.engine.ticket import Ticket
 from pdflash.spec.acceptance import SequenceAcceptance
 from pdflash.spec.policy import expected_committed
@@ -135,6 +135,7 @@ class Simulator:
             cfg.speculation if cfg.speculative else "fixed",
             self.block,
             setup.link_bytes_per_s if cfg.offloaded else None,
+            RoutingShape.of(setup.byte_map, setup.top_k),
         )
         self.router = cfg.offloaded or cfg.two_dimensional  # the engine's default projector choice
         # prompts prefill inside the next batched verify (pdflash.engine.prefill_mode)

@@ -38,7 +38,7 @@ from pdflash.engine.requests import sampling_params as request_sampling_params
 from pdflash.engine.round_work import ROUND_ISOLATION, RoundWork
 from pdflash.engine.seating import prefill_waits, seconds_to_limit
 from pdflash.engine.sequence import Sequence, SequenceState
-from pdflash.engine.speculation import SpeculationPlanner
+from pdflash.engine.speculation import RoutingShape, SpeculationPlanner
 from pdflash.engine.stats import EngineStats, Totals, engine_stats
 from pdflash.engine.ticket import AdmissionCancelled, Ticket
 from pdflash.errors import EngineClosedError, EngineOverloadedError
@@ -101,6 +101,7 @@ class AsyncEngine:
             self.config.speculation if speculator.drafter is not None else "fixed",
             speculator.block_size,
             provider.link_bytes_per_s if provider is not None else None,
+            RoutingShape.of(speculator.expert_nbytes, speculator.target.config.top_k),
         )
         self._work = RoundWork(speculator, self.planner)
         # "own" | "shared" (the target's) | None: no drafter; torch's thread count now decides "auto"
@@ -192,7 +193,10 @@ class AsyncEngine:
             drafter=drafter,
             prefill=prefill,
             draft=draft,
-            plain=BatchLane(target, work.draft_rounds, name="plain", isolation=ROUND_ISOLATION),
+            # on one lane, plain rounds batch with the drafting ones: one call per round, not two
+            plain=draft
+            if drafter is None
+            else BatchLane(target, work.draft_rounds, name="plain", isolation=ROUND_ISOLATION),
             pacer=VerifyPacer(
                 self.scheduler,
                 self.speculator,
@@ -209,13 +213,8 @@ class AsyncEngine:
         )
         self._running, self._loop = running, asyncio.get_running_loop()
         await running.task_group.__aenter__()
-        for serve in (
-            running.prefill.serve,
-            running.draft.serve,
-            running.plain.serve,
-            running.pacer.serve,
-            self._seater,
-        ):
+        lanes = (running.prefill, running.draft) + ((running.plain,) if running.plain is not running.draft else ())
+        for serve in (*(lane.serve for lane in lanes), running.pacer.serve, self._seater):
             await running.task_group.start(self._guarded, serve)
         return self
 

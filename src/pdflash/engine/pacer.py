@@ -242,10 +242,11 @@ class VerifyPacer:
             seq.verify_done.set()  # every sequence of the batch hears back, whatever happened
             if seq.live:  # an aborted one already withdrew its demand
                 self.scheduler.finish(seq.request_id)
-        traces = [o.trace for o in outcomes if isinstance(o, VerifyResult)]
-        if traces:  # what the policy learns: compute seconds (link waits excluded) and bytes per position
+        verified = [o for o in outcomes if isinstance(o, VerifyResult)]
+        if verified:  # what the policy learns: compute seconds (link waits excluded), experts, bytes per position
             compute_s = max(0.0, elapsed - (self._exposed_fetch_s() - waited)) if ride is None else None
-            self.planner.observe_verify(traces, compute_s)
+            experts = len(frozenset[ExpertKey]().union(*(o.routed_union for o in verified)))
+            self.planner.observe_verify([o.trace for o in verified], compute_s, experts)
 
     async def _verify_rounds(
         self, batch: list[Sequence], ride: Ride[Sequence, SpecSession] | None

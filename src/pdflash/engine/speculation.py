@@ -13,7 +13,10 @@ draft and launch gap.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
+import numpy as np
 
 from pdflash.spec.acceptance import AcceptanceModel, SequenceAcceptance
 from pdflash.spec.policy import SPECULATION, PolicyInputs, RoundCosts, choose_block
@@ -28,43 +31,109 @@ CALIBRATION_DECAY = 0.98  # per drafted round: the acceptance calibration rememb
 CALIBRATION_PRIOR = 4.0  # pseudo-drafts, realized as expected, behind the calibration
 
 
+@attrs.frozen
+class RoutingShape:
+    """How the target routes: what a verify's distinct experts grow like with its tokens."""
+
+    layers: int  # MoE layers
+    experts: int  # experts per MoE layer
+    top_k: int  # experts each token routes per layer
+
+    @classmethod
+    def of(cls, experts: Iterable[tuple[int, int]], top_k: int) -> RoutingShape | None:
+        """The shape of a byte map's (layer, expert) keys; None without any."""
+        keys = list(experts)
+        if not keys or top_k < 1:
+            return None
+        return cls(layers=len({layer for layer, _ in keys}), experts=1 + max(e for _, e in keys), top_k=top_k)
+
+    def uniform_union(self, tokens: float) -> float:
+        """Expected distinct (layer, expert) pairs that `tokens` tokens route, each choosing its
+        top_k of a layer's experts uniformly: top_k · layers for one token, every expert at most."""
+        return self.layers * self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** tokens)
+
+
+@attrs.frozen
+class VerifyCost:
+    """A batched verify's compute seconds ≈ fixed_s + token_s · T + expert_s · U(T), where U(T) is
+    the distinct experts T tokens route: what a MoE forward pays per token (dense layers, the
+    routed matmuls' rows) and per expert it touches (each a weight read and a call of its own).
+
+    U saturates (16 tokens of the bundled pair route 88% of the experts 128 tokens do, under
+    uniform routing), so a line through verify seconds against tokens alone, fitted where the engine has been
+    (mostly plain rounds of one token per sequence), priced a block of 8 for 16 sequences at
+    117 ms where it took 34: the policy never drafted there again (docs/engine.md). U(T) is the
+    uniform-routing union, pulled toward the one-token union by `skew` (routers favour some
+    experts: measured unions grow slower), as fitted to the unions the verifies routed."""
+
+    fixed_s: float
+    token_s: float
+    expert_s: float = 0.0
+    routing: RoutingShape | None = None
+    skew: float = 1.0  # measured union growth / uniform routing's (beyond the first token's union)
+
+    def experts(self, tokens: float) -> float:
+        """U(tokens): the distinct experts a verify of `tokens` tokens is expected to route."""
+        if self.routing is None or tokens <= 0:
+            return 0.0
+        first = self.routing.uniform_union(1.0)
+        return first * min(1.0, tokens) + self.skew * max(0.0, self.routing.uniform_union(tokens) - first)
+
+    def variable_s(self, tokens: float) -> float:
+        """The seconds a verify of `tokens` tokens costs beyond its fixed seconds."""
+        return self.token_s * tokens + self.expert_s * self.experts(tokens)
+
+    def seconds(self, tokens: float) -> float:
+        return self.fixed_s + self.variable_s(tokens)
+
+    def share_s(self, block: int, batch: float) -> float:
+        """A sequence's share of the variable seconds of a verify of `batch` sequences that each
+        verify `block` tokens: what its block adds to the batch, priced as if the batch's other
+        sequences chose as it does (every sequence is asked alike). Priced at the margin instead
+        (the others as they are), the experts a batch shares and a batched draft's fixed cost make
+        every lone block dear, and a batch that decodes plainly never starts drafting together."""
+        return self.variable_s(block * batch) / batch
+
+
 @attrs.define
 class _ComputeFit:
-    """verify compute seconds ≈ fixed + per_token × tokens: a weighted line through each verify
-    size's running mean of seconds, each size weighted by its decayed count.
+    """Each call size's running means of seconds (and of distinct experts routed), fitted to
+    seconds ≈ fixed + per-unit × size (`solve`; a drafter's calls) or to `VerifyCost` (`solve_routed`).
 
     Sizes keep their own means, so the hundreds of one-token verifies a mostly plain-decoding
     engine runs between two drafted blocks do not wash out what the blocks were measured to
     cost (one decayed least-squares over the verifies fitted its slope to the last one or two
-    blocks it still remembered: 1.4-4 ms a token where 0.7 was true). The first verify of
-    each size is a warm-up (buffers grown, a compiled step loaded: 3.6x a steady one, measured)
+    blocks it still remembered: 1.4-4 ms a token where 0.7 was true). The first call of each
+    size is a warm-up (buffers grown, a compiled step loaded: 3.6x a steady one, measured)
     and is left out: kept, it priced that size out for good once the policy stopped choosing it."""
 
-    means_s: dict[int, float] = attrs.Factory(dict)  # tokens -> running mean seconds
-    weights: dict[int, float] = attrs.Factory(dict)  # tokens -> decayed count of verifies
-    warmed: set[int] = attrs.Factory(set)  # sizes verified at least once
+    means_s: dict[int, float] = attrs.Factory(dict)  # size -> running mean seconds
+    experts: dict[int, float] = attrs.Factory(dict)  # size -> running mean distinct experts routed
+    weights: dict[int, float] = attrs.Factory(dict)  # size -> decayed count of calls
+    warmed: set[int] = attrs.Factory(set)  # sizes called at least once
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens not in self.warmed:
-            self.warmed.add(tokens)
+    def observe(self, size: int, seconds: float, experts: int = 0) -> None:
+        if size not in self.warmed:
+            self.warmed.add(size)
             return
-        for size in list(self.weights):
-            self.weights[size] *= SIZE_DECAY
-            if self.weights[size] < SIZE_FORGOTTEN:
-                del self.weights[size], self.means_s[size]
-        n = self.weights.get(tokens, 0.0) + 1.0
-        self.weights[tokens] = n
-        old = self.means_s.get(tokens, seconds)
-        self.means_s[tokens] = old + (seconds - old) / min(n, SIZE_WINDOW)
+        for known in list(self.weights):
+            self.weights[known] *= SIZE_DECAY
+            if self.weights[known] < SIZE_FORGOTTEN:
+                del self.weights[known], self.means_s[known], self.experts[known]
+        n = self.weights.get(size, 0.0) + 1.0
+        self.weights[size] = n
+        step = 1.0 / min(n, SIZE_WINDOW)
+        self.means_s[size] = self.means_s.get(size, seconds) + (seconds - self.means_s.get(size, seconds)) * step
+        self.experts[size] = self.experts.get(size, experts) + (experts - self.experts.get(size, experts)) * step
 
     def solve(self) -> tuple[float, float] | None:
-        """(fixed_s, per_token_s), or None before any verify."""
+        """(fixed_s, per_unit_s), or None before any call."""
         if not self.weights:
             return None
         w = sum(self.weights.values())
         mx = sum(n * size for size, n in self.weights.items()) / w
         my = sum(n * self.means_s[size] for size, n in self.weights.items()) / w
-        if len(self.weights) < 2:  # one verify size: split by the prior ratio
+        if len(self.weights) < 2:  # one size: split by the prior ratio
             fixed = my / (1 + TOKEN_COST_PRIOR * mx)
             return fixed, TOKEN_COST_PRIOR * fixed
         var = sum(n * (size - mx) ** 2 for size, n in self.weights.items()) / w
@@ -72,15 +141,55 @@ class _ComputeFit:
         slope = max(0.0, cov / var)
         return max(0.0, my - slope * mx), slope
 
+    def solve_routed(self, routing: RoutingShape | None) -> VerifyCost | None:
+        """The verify cost (sizes are tokens), or None before any verify. With the routing shape,
+        fixed, per-token and per-expert seconds by least squares over the sizes' means (each
+        coefficient >= 0: the best fit of any subset of the three, the one with experts first on a
+        tie, since two sizes fit a line either way); without it, or with one size, `solve`'s line."""
+        line = self.solve()
+        if line is None:
+            return None
+        if routing is None or len(self.weights) < 2:
+            return VerifyCost(fixed_s=line[0], token_s=line[1], routing=routing)
+        sizes = sorted(self.weights)
+        w = np.sqrt(np.array([self.weights[t] for t in sizes]))  # [n] row weights
+        y = np.array([self.means_s[t] for t in sizes])  # [n] seconds
+        u = np.array([self.experts[t] for t in sizes])  # [n] experts routed
+        first = routing.uniform_union(1.0)
+        grown = np.array([routing.uniform_union(t) - first for t in sizes])  # [n] uniform growth beyond one token
+        skew = float(np.clip(np.sum(grown * (u - first)) / max(np.sum(grown * grown), 1e-12), 0.05, 1.0))
+        columns = np.stack([np.ones(len(sizes)), np.array(sizes, dtype=float), u], axis=1)  # [n, 3]
+        best: tuple[float, int, np.ndarray] | None = None
+        for rank, used in enumerate(((0, 2), (0, 1, 2), (0, 1), (2,), (1, 2), (1,), (0,))):
+            if len(used) > len(sizes):
+                continue
+            coef = np.linalg.lstsq(columns[:, used] * w[:, None], y * w, rcond=None)[0]
+            if np.any(coef < 0):
+                continue
+            residual = float(np.sum((w * (columns[:, used] @ coef - y)) ** 2))
+            if best is None or residual < best[0] * (1 - 1e-9) - 1e-18:
+                full = np.zeros(3)
+                full[list(used)] = coef
+                best = (residual, rank, full)
+        assert best is not None  # the intercept alone is the weighted mean of positive seconds
+        fixed, token, expert = (float(c) for c in best[2])
+        return VerifyCost(fixed_s=fixed, token_s=token, expert_s=expert, routing=routing, skew=skew)
+
 
 class SpeculationPlanner:
-    def __init__(self, mode: str, max_block: int, link_bytes_per_s: float | None) -> None:
+    def __init__(
+        self, mode: str, max_block: int, link_bytes_per_s: float | None, routing: RoutingShape | None = None
+    ) -> None:
         if mode not in SPECULATION:
             raise ValueError(f"speculation={mode!r} is not one of {', '.join(map(repr, SPECULATION))}")
         self.mode, self.max_block, self.link_bytes_per_s = mode, max_block, link_bytes_per_s
+        self.routing = routing  # None: verify seconds are fitted as a line in tokens alone
         self.acceptance = AcceptanceModel(max_block)
-        self._fit = _ComputeFit()
-        self._draft_s: float | None = None  # drafter seconds per drafted sequence
+        self._fit = _ComputeFit()  # verifies: sizes are tokens
+        self._draft_fit = _ComputeFit()  # drafter calls: sizes are sequences drafted
+        self._draft_s: float | None = None  # EMA: drafter seconds per drafted sequence, as the calls ran
+        self._verify_cost: VerifyCost | None = None  # the verify fit, solved after each verify measured
+        self._draft_line: tuple[float, float] | None = None  # the drafter fit (fixed, per sequence), ditto
         self._batch: float | None = None  # sequences per batched verify
         self._idle_s: float | None = None  # EMA: seconds the verify lane waits between rounds, drafting aside
         self._base_bytes: float | None = None  # EMA: bytes a block's first position adds
@@ -97,13 +206,22 @@ class SpeculationPlanner:
     @property
     def verify_fixed_s(self) -> float:
         """A batched verify's fixed seconds, whatever its tokens, as fitted (0 before any verify)."""
-        fit = self._fit.solve()
-        return fit[0] if fit is not None else 0.0
+        cost = self._verify_cost
+        return cost.fixed_s if cost is not None else 0.0
 
     def verify_s(self, tokens: int) -> float | None:
         """Compute seconds of a batched verify of `tokens` tokens, as fitted (None before any verify)."""
-        fit = self._fit.solve()
-        return fit[0] + tokens * fit[1] if fit is not None else None
+        cost = self._verify_cost
+        return cost.seconds(tokens) if cost is not None else None
+
+    def draft_share_s(self, batch: float) -> float:
+        """A sequence's share of a drafter call for `batch` sequences (a call's fixed seconds are
+        shared, as `VerifyCost.share_s` prices a verify's): as fitted over the calls' sizes, or, before
+        a size has been timed twice, the seconds per sequence the calls took (0 before any draft)."""
+        fit = self._draft_line
+        if fit is None:
+            return self.draft_s
+        return (fit[0] + fit[1] * batch) / batch
 
     @property
     def acceptance_calibration(self) -> float:
@@ -156,10 +274,10 @@ class SpeculationPlanner:
         """What the policy is asked, or None until a verify has been measured (a drafter not yet
         measured costs nothing: the first draft the policy finds worth it measures it). `draw`:
         the acceptance is a posterior draw (what `plan` decides on), else the estimate's mean."""
-        fit = self._fit.solve()
-        if fit is None or self._base_bytes is None:
+        cost = self._verify_cost
+        if cost is None or self._base_bytes is None:
             return None
-        fixed_s, token_s = fit
+        batch = max(1.0, self._batch or 1.0)
         # a later position costs the first position's bytes now times what it added relative to
         # the first in the rounds that reached it; an unmeasured one what the last measured later
         # position did, or, before any was, what one more token would have added (leave-one-out)
@@ -173,9 +291,9 @@ class SpeculationPlanner:
             acceptance=acceptance.draw() if draw else acceptance.estimate(),
             prefix_fetch_bytes=tuple(prefix),
             costs=RoundCosts(
-                round_s=(fixed_s + (self._idle_s or 0.0)) / max(1.0, self._batch or 1.0),
-                token_s=token_s,
-                draft_s=self.draft_s,
+                round_s=(cost.fixed_s + (self._idle_s or 0.0)) / batch,
+                block_s=tuple(cost.share_s(b, batch) for b in range(1, self.max_block + 1)),
+                draft_s=self.draft_share_s(batch),
                 link_bytes_per_s=self.link_bytes_per_s,
             ),
             acceptance_calibration=self.acceptance_calibration,
@@ -183,11 +301,13 @@ class SpeculationPlanner:
 
     # -- measuring ---------------------------------------------------------------------------------
 
-    def observe_verify(self, traces: list[RoundTrace], compute_s: float | None) -> None:
+    def observe_verify(self, traces: list[RoundTrace], compute_s: float | None, experts: int = 0) -> None:
         """A batched verify of `traces` took `compute_s` seconds of compute (link waits excluded;
-        None: its forward also prefilled prompts, so its seconds are not a verify's)."""
+        None: its forward also prefilled prompts, so its seconds are not a verify's) and routed
+        `experts` distinct (layer, expert) pairs."""
         if compute_s is not None:
-            self._fit.observe(sum(t.tokens for t in traces), compute_s)
+            self._fit.observe(sum(t.tokens for t in traces), compute_s, experts)
+            self._verify_cost = self._fit.solve_routed(self.routing)
         self._batch = _ema(self._batch, float(len(traces)))
         for trace in traces:
             if not trace.position_fetch_bytes:
@@ -218,6 +338,8 @@ class SpeculationPlanner:
         """The drafter lane drafted `sequences` blocks in `seconds`."""
         if sequences:
             self._draft_s = _ema(self._draft_s, seconds / sequences)
+            self._draft_fit.observe(sequences, seconds)
+            self._draft_line = self._draft_fit.solve()
 
 
 @attrs.define

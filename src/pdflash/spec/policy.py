@@ -4,10 +4,12 @@ Owns the pure decision of ARCHITECTURE "Deciding how far to speculate". A verify
 commits E[b] = 1 + κ·Σ_{k<b} Π_{j≤k} a_j tokens (a_j: the chance draft j is accepted given
 1..j-1 were; κ: what the drafts of past rounds realized against that sum, as measured) and costs
 
-    cost(b) = round_s + b·token_s + [b ≥ 2]·draft_s + fetch_bytes(b) / link_bytes_per_s
+    cost(b) = round_s + block_s(b) + [b ≥ 2]·draft_s + fetch_bytes(b) / link_bytes_per_s
 
-where fetch_bytes(b) is what the first b tokens' projected union adds to the experts that
-are resident or already coming (the figure the scheduler charges). b = 1 is plain decoding:
+where block_s(b) is the verify compute the first b tokens add to the batch (not linear in b
+for a MoE target: a batch's distinct experts saturate as its tokens grow) and fetch_bytes(b)
+is what their projected union adds to the experts that are resident or already coming (the
+figure the scheduler charges). b = 1 is plain decoding:
 no drafter forward. Everything here is a frozen value in, a frozen value out; the estimates
 it is handed live in pdflash.spec.acceptance and the engine's cost model.
 """
@@ -24,14 +26,16 @@ class RoundCosts:
     """What one sequence's round costs, in seconds, apart from its link bytes."""
 
     round_s: float  # this sequence's share of a verify's fixed cost (paid whatever b is)
-    token_s: float  # verify compute each block token adds to the batch
+    block_s: tuple[float, ...]  # [B]: verify compute the first b tokens add to the batch (b = 1 .. B)
     draft_s: float  # the drafter's forward for this sequence (b >= 2 only)
     link_bytes_per_s: float | None  # None: copies cost no time (resident, or no link to wait on)
 
     def __attrs_post_init__(self) -> None:
-        for name in ("round_s", "token_s", "draft_s"):
+        for name in ("round_s", "draft_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+        if not self.block_s or any(not s >= 0 for s in self.block_s):
+            raise ValueError(f"block_s needs b = 1 .. B seconds, each >= 0; got {self.block_s!r}")
         if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
             raise ValueError(f"link_bytes_per_s must be > 0 (or None), got {self.link_bytes_per_s!r}")
 
@@ -58,6 +62,10 @@ class PolicyInputs:
             raise ValueError(f"prefix_fetch_bytes are sizes >= 0, got {self.prefix_fetch_bytes}")
         if not self.acceptance_calibration >= 0:
             raise ValueError(f"acceptance_calibration is a ratio >= 0, got {self.acceptance_calibration!r}")
+        if len(self.costs.block_s) != len(self.prefix_fetch_bytes):
+            raise ValueError(
+                f"{len(self.prefix_fetch_bytes)} block lengths need as many block_s, got {len(self.costs.block_s)}"
+            )
 
     @property
     def max_block(self) -> int:
@@ -88,7 +96,7 @@ def expected_committed(acceptance: tuple[float, ...], block: int, calibration: f
 def round_cost_s(inputs: PolicyInputs, block: int) -> float:
     c = inputs.costs
     link_s = 0.0 if c.link_bytes_per_s is None else inputs.prefix_fetch_bytes[block - 1] / c.link_bytes_per_s
-    return c.round_s + block * c.token_s + (c.draft_s if block >= 2 else 0.0) + link_s
+    return c.round_s + c.block_s[block - 1] + (c.draft_s if block >= 2 else 0.0) + link_s
 
 
 def choose_block(inputs: PolicyInputs) -> BlockChoice:
