@@ -149,6 +149,21 @@ def test_a_batch_that_decodes_plainly_still_finds_blocks_worth_drafting_together
     assert planner.draft_share_s(16) == pytest.approx(0.008 / 16)  # the fitted call, shared
 
 
+def test_drafts_in_one_call_are_expected_to_take_one_call_not_one_per_sequence():
+    """What a gathering launch waits for (pacer._gather_s): sequences drafting together run as one
+    drafter call. Counted as one call per sequence (the mean seconds per sequence times them), three
+    drafts of 3 + 2 ms each looked due in 14 ms, past a resident verify's fixed 8 ms, so the launch
+    went alone (c = 4, one thread a lane: 39 of ~165 rounds verified alone)."""
+    planner = SpeculationPlanner("adaptive", 8, link_bytes_per_s=None, routing=BUNDLED)
+    assert planner.draft_call_s(3) == 0.0  # nothing drafted yet
+    planner.observe_draft(1, 0.005)
+    assert planner.draft_call_s(3) == pytest.approx(0.015)  # one size timed (warm-up): per sequence
+    for sequences in (1, 4, 1, 4, 1, 4):
+        planner.observe_draft(sequences, 0.003 + 0.002 * sequences)
+    assert planner.draft_call_s(3) == pytest.approx(0.009)
+    assert planner.draft_share_s(3) == pytest.approx(0.003)
+
+
 def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_drafts_the_block_without():
     planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
     seq = planner.track()

@@ -95,8 +95,8 @@ class SimPacer:
         """VerifyPacer._gather_s: how long a launch may still wait for sequences drafting (0: go).
 
         While other sequences draft toward a demand: with a link, as long as the link is busy
-        with `batch`'s copies, or until their drafts are due (the drafter's measured seconds per
-        sequence); resident, until their drafts are due if that is sooner than a verify's
+        with `batch`'s copies, or until their drafts are due (a drafter call's measured seconds
+        for that many); resident, until their drafts are due if that is sooner than a verify's
         fitted fixed seconds (the launch it saves); never in the lock-step engine."""
         if not self.sim.s.pipelined:
             return 0.0
@@ -112,7 +112,7 @@ class SimPacer:
             resident = self.sim.cache.resident()
             copying_s = union_bytes(prefetching - resident, self.sim.s.byte_map) / self.sim.s.link_bytes_per_s
         drafting_since = max(self._ended_at, *(q.drafted_at for q in waiting))
-        drafts_due = drafting_since + coming * self.sim.planner.draft_s
+        drafts_due = drafting_since + self.sim.planner.draft_call_s(coming)
         wait_s = max(0.0, copying_s, drafts_due - self.sim.now)
         if self.sim.cache is None and wait_s >= self.sim.planner.verify_fixed_s:
             return 0.0  # resident: waiting would cost more than the launch it saves

@@ -161,7 +161,7 @@ class VerifyPacer:
         most of them): sequences split into cohorts that each pay for the whole cache. So the
         launch of `batch` (admitted, prefetching) and of the waiting demands waits while other
         sequences still draft, as long as the link is busy with `batch`'s copies anyway, or for
-        as long as the drafts take (the drafter's measured seconds per sequence): merged,
+        as long as the drafts take (a drafter call's measured seconds for that many): merged,
         a round's experts cross the link once. Without a link (resident experts) what merging
         saves is a launch: a second, smaller verify pays the verify's fixed seconds again (on
         a CPU, or a GPU at small batches, most of its cost). So it waits only while the drafts
@@ -184,7 +184,7 @@ class VerifyPacer:
             prefetching = frozenset().union(*(s.draft.expert_union for s in batch if s.draft is not None))
             copying_s = self.speculator.union_bytes(prefetching - self.provider.resident()) / link
         drafting_since = max(self._ended_at, *(s.drafted_at for s in waiting))
-        drafts_due = drafting_since + coming * self.planner.draft_s
+        drafts_due = drafting_since + self.planner.draft_call_s(coming)
         wait_s = max(0.0, copying_s, drafts_due - time.perf_counter())
         if self.drafts.lane is self.lane:
             return math.inf if self.drafts.working else wait_s  # drafts ahead of any verify on this lane

@@ -218,10 +218,16 @@ class SpeculationPlanner:
         """A sequence's share of a drafter call for `batch` sequences (a call's fixed seconds are
         shared, as `VerifyCost.share_s` prices a verify's): as fitted over the calls' sizes, or, before
         a size has been timed twice, the seconds per sequence the calls took (0 before any draft)."""
+        return self.draft_call_s(batch) / batch
+
+    def draft_call_s(self, sequences: float) -> float:
+        """Seconds of one drafter call for `sequences` sequences: as fitted over the calls' sizes
+        (a call's fixed seconds once, not once per sequence), or, before a size has been timed
+        twice, the seconds per sequence the calls took times `sequences` (0 before any draft)."""
         fit = self._draft_line
         if fit is None:
-            return self.draft_s
-        return (fit[0] + fit[1] * batch) / batch
+            return self.draft_s * sequences
+        return fit[0] + fit[1] * sequences
 
     @property
     def acceptance_calibration(self) -> float:
