@@ -97,7 +97,7 @@ def test_the_routed_fit_recovers_fixed_token_and_expert_seconds(skew):
     assert (cost.fixed_s, cost.token_s, cost.expert_s) == pytest.approx((0.003, 0.0002, 0.0001), rel=0.05, abs=2e-5)
     # what it never saw: a block of 8 for 16 sequences costs what the model says, not what a line
     # in tokens through 1 .. 16 extrapolates
-    assert cost.seconds(128) == pytest.approx(routed_seconds(128, skew)[0], rel=0.03)
+    assert cost.seconds(128, 16) == pytest.approx(routed_seconds(128, skew)[0], rel=0.03)
     line = fit.solve()
     assert line[0] + 128 * line[1] > 1.5 * routed_seconds(128, skew)[0]
 
@@ -110,9 +110,44 @@ def test_two_verify_sizes_fit_the_experts_not_a_line_in_tokens():
         fit.observe(tokens, *routed_seconds(tokens))
     cost = fit.solve_routed(BUNDLED)
     assert cost.token_s == 0 and cost.expert_s > 0
-    assert cost.seconds(1) == pytest.approx(routed_seconds(1)[0], rel=1e-3)
-    assert cost.seconds(16) == pytest.approx(routed_seconds(16)[0], rel=1e-3)
+    assert cost.seconds(1, 1) == pytest.approx(routed_seconds(1)[0], rel=1e-3)
+    assert cost.seconds(16, 16) == pytest.approx(routed_seconds(16)[0], rel=1e-3)
     assert fit.solve_routed(None) == VerifyCost(fixed_s=fit.solve()[0], token_s=fit.solve()[1])  # no shape: the line
+
+
+def sequence_seconds(sequences: int, block: int) -> tuple[float, int]:
+    """(seconds, experts) of a verify of `sequences` blocks of `block` tokens whose cost is 4 ms +
+    2.4 ms a sequence + 0.5 ms a token beyond a sequence's first (the bundled pair behind the link:
+    31 plain tokens 12x one, 31 blocks of 8 2.4x 31 plain tokens), routing as the bundled target."""
+    tokens = sequences * block
+    experts = VerifyCost(fixed_s=0.0, token_s=0.0, expert_s=1.0, routing=BUNDLED).experts(tokens)
+    return 0.004 + 0.0024 * sequences + 0.0005 * (tokens - sequences), round(experts)
+
+
+def test_plain_rounds_put_their_cost_on_the_sequences_until_blocks_say_what_a_token_costs():
+    fit = _ComputeFit()
+    for sequences in (1, 31, 16, 31, 1, 8) * 3:  # plain rounds: as many tokens as sequences
+        fit.observe(sequences, *sequence_seconds(sequences, 1), sequences)
+    plain = fit.solve_routed(BUNDLED)
+    assert plain.token_s == 0 and plain.sequence_s == pytest.approx(0.0024, rel=0.05)
+    # a block of 8 for 31 sequences is priced by what its extra tokens route, not at 8x the tokens'
+    # seconds a line through plain rounds gives (what kept the policy from ever drafting)
+    line = fit.solve()
+    assert plain.seconds(248, 31) < 0.6 * (line[0] + 248 * line[1])
+    for sequences in (31, 16) * 3:  # the policy tried blocks of 8: now a token's seconds are known
+        fit.observe(8 * sequences, *sequence_seconds(sequences, 8), sequences)
+    measured = fit.solve_routed(BUNDLED)
+    assert measured.seconds(248, 31) == pytest.approx(sequence_seconds(31, 8)[0], rel=0.05)
+    assert measured.seconds(31, 31) == pytest.approx(sequence_seconds(31, 1)[0], rel=0.05)
+
+
+def test_one_sequence_at_a_time_leaves_the_sequences_column_to_the_fixed_seconds():
+    fit = _ComputeFit()
+    for block in (1, 4, 8, 2) * 3:  # c = 1: the sequences column is the intercept's
+        fit.observe(block, *sequence_seconds(1, block), 1)
+    cost = fit.solve_routed(BUNDLED)
+    assert cost.sequence_s == 0
+    assert cost.seconds(8, 1) == pytest.approx(sequence_seconds(1, 8)[0], rel=0.05)
 
 
 def test_a_sequence_is_priced_its_share_of_a_batch_that_chooses_as_it_does():
@@ -122,6 +157,8 @@ def test_a_sequence_is_priced_its_share_of_a_batch_that_chooses_as_it_does():
     assert cost.share_s(8, 16) < 8 * cost.share_s(1, 16)  # the batch's experts are shared
     linear = VerifyCost(fixed_s=0.003, token_s=0.0002)
     assert linear.share_s(8, 16) == pytest.approx(8 * 0.0002)  # without a shape: per token, as before
+    own = VerifyCost(fixed_s=0.003, token_s=0.0002, sequence_s=0.002)
+    assert own.share_s(8, 16) == pytest.approx(0.002 + 8 * 0.0002)  # its own seconds, whatever its block
 
 
 def test_a_batch_that_decodes_plainly_still_finds_blocks_worth_drafting_together():
@@ -190,21 +227,37 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     assert sum(planner.decisions.values()) == 201
 
 
-def test_later_positions_cost_what_they_added_relative_to_the_first_at_the_first_positions_bytes_now():
+def test_later_positions_cost_what_they_added_relative_to_one_more_token_at_what_one_adds_now():
     """When the cache turns cold (a new prompt's first rounds) a block's first position fetches
-    more, and so do the positions after it: each later position is priced at the first position's
-    bytes now times what it added relative to the first in the rounds that reached it, not at
-    bytes measured in another phase (which made blocks look cheap exactly when plain rounds were
-    dear, and the drafted rounds then fetched 1.6x the bytes per extra token they were priced at)."""
+    more, and so do the positions after it: each later position is priced at what one more token
+    would add now (leave-one-out, measured every round) times what it added relative to that in
+    the rounds that reached it, not at bytes measured in another phase (which made blocks look
+    cheap exactly when plain rounds were dear, and the drafted rounds then fetched 1.6x the bytes
+    per extra token they were priced at)."""
     planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
-    for _ in range(2):  # warm: the first position 1000 bytes, the second 500, the third 250
-        planner.observe_verify([trace(4, (1000, 500, 250, 250))] * 2, 0.02)
+    for _ in range(2):  # warm: the first position 1000 bytes, one more token 500, the second 500, the third 250
+        planner.observe_verify([trace(4, (1000, 500, 250, 250), further=500)] * 2, 0.02)
     assert planner.inputs(planner.track()).prefix_fetch_bytes == (1000, 1500, 1750, 2000)
     for _ in range(60):  # cold: plain rounds whose first (only) position fetches twice as much
         planner.observe_verify([trace(1, (2000,), further=1000)] * 2, 0.02)
     prefix = planner.inputs(planner.track()).prefix_fetch_bytes
     assert prefix[0] == pytest.approx(2000, rel=0.01)
     assert prefix == pytest.approx((prefix[0], 1.5 * prefix[0], 1.75 * prefix[0], 2 * prefix[0]), rel=0.01)
+
+
+def test_a_position_measured_alone_is_not_priced_alike_in_a_batch_that_shares_its_experts():
+    """The regression (behind the link, the bundled pair): one round of 2 at c = 1 fetched 1.67x
+    the first position's bytes for its second; at c = 32, where one more token adds a third of a
+    first position's, priced against the first that still made every block of 8 cost 12 first
+    positions' bytes, and the policy never drafted again to measure it."""
+    planner = SpeculationPlanner("adaptive", 8, link_bytes_per_s=1e6)
+    for _ in range(2):  # alone: one more token adds all its bytes; the second position 1.67x
+        planner.observe_verify([trace(2, (3000, 5000), further=3000)], 0.02)
+    for _ in range(100):  # a batch of 31 plain rounds: one more token adds a third of the first's
+        planner.observe_verify([trace(1, (3000,), further=1000)] * 31, 0.07)
+    prefix = planner.inputs(planner.track()).prefix_fetch_bytes
+    assert prefix[1] - prefix[0] == pytest.approx(5000 / 3000 * 1000, rel=0.02)
+    assert prefix[7] == pytest.approx(3000 + 7 * 5000 / 3, rel=0.02)  # the unmeasured as the last measured
 
 
 def test_a_greedy_sequence_drafts_the_whole_block_whatever_it_verifies():

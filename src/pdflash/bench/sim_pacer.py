@@ -161,7 +161,7 @@ class SimPacer:
             certainty = launch_certainty(  # as VerifyPacer._tick
                 union_bytes(missing, self.sim.s.byte_map),
                 self.sim.s.link_bytes_per_s,
-                self.sim.planner.verify_s(sum(round_of(q).tokens for q in admitted)),
+                self.sim.planner.verify_s(sum(round_of(q).tokens for q in admitted), len(admitted)),
             )
             for q, experts in zip(admitted, launch_prefetches(projections, certainty), strict=True):
                 q.claim = self.sim.cache.prefetch(experts, self.sim.now)

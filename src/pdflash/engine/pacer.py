@@ -321,7 +321,7 @@ class VerifyPacer:
             certainty = launch_certainty(
                 self.speculator.union_bytes(missing),
                 self.provider.link_bytes_per_s,
-                self.planner.verify_s(sum(d.tokens for _, d in drafted)),
+                self.planner.verify_s(sum(d.tokens for _, d in drafted), len(drafted)),
             )
             for (seq, _), experts in zip(drafted, launch_prefetches(projections, certainty), strict=True):
                 seq.claim = self._prefetch(experts)

@@ -1,8 +1,9 @@
 """The engine's side of "how far to speculate": live estimates in, one block length per round out.
 
 Owns the estimates the pure policy (pdflash.spec.policy) is fed: each sequence's acceptance
-(pdflash.spec.acceptance), the bytes a block's first position adds on the link and what each
-further position adds relative to it (measured by every verify: RoundTrace.position_fetch_bytes),
+(pdflash.spec.acceptance), the bytes a block's first position adds on the link, what one more
+token would add and what each further position adds relative to that (measured by every verify:
+RoundTrace.position_fetch_bytes, further_token_bytes),
 and what a round costs in time (a verify's
 fixed and per-token seconds, fitted online from batched verifies; the drafter's seconds per
 sequence; the seconds the verify lane waits between rounds). `speculation="fixed"` always
@@ -13,6 +14,7 @@ draft and launch gap.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import attrs
@@ -29,6 +31,8 @@ SIZE_FORGOTTEN = 0.01  # a size's weight below which the fit drops it
 TOKEN_COST_PRIOR = 0.05  # seconds per token / fixed seconds, assumed until token counts vary
 CALIBRATION_DECAY = 0.98  # per drafted round: the acceptance calibration remembers the last ~50
 CALIBRATION_PRIOR = 4.0  # pseudo-drafts, realized as expected, behind the calibration
+# the verify fit's candidate column sets (0 fixed, 1 experts, 2 sequences, 3 tokens), in tie order
+COLUMN_SUBSETS = sorted(used for k in range(1, 5) for used in itertools.combinations(range(4), k))
 
 
 @attrs.frozen
@@ -55,20 +59,29 @@ class RoutingShape:
 
 @attrs.frozen
 class VerifyCost:
-    """A batched verify's compute seconds ≈ fixed_s + token_s · T + expert_s · U(T), where U(T) is
-    the distinct experts T tokens route: what a MoE forward pays per token (dense layers, the
-    routed matmuls' rows) and per expert it touches (each a weight read and a call of its own).
+    """A batched verify's compute seconds ≈ fixed_s + sequence_s · N + token_s · T + expert_s · U(T)
+    for N sequences of T tokens in all, where U(T) is the distinct experts T tokens route: what a
+    MoE forward pays per sequence (its own attention over its own KV cache), per token (dense
+    layers, the routed matmuls' rows) and per expert it touches (each a weight read and a call of
+    its own).
 
     U saturates (16 tokens of the bundled pair route 88% of the experts 128 tokens do, under
     uniform routing), so a line through verify seconds against tokens alone, fitted where the engine has been
     (mostly plain rounds of one token per sequence), priced a block of 8 for 16 sequences at
     117 ms where it took 34: the policy never drafted there again (docs/engine.md). U(T) is the
     uniform-routing union, pulled toward the one-token union by `skew` (routers favour some
-    experts: measured unions grow slower), as fitted to the unions the verifies routed."""
+    experts: measured unions grow slower), as fitted to the unions the verifies routed.
+
+    A sequence's rounds pay sequence_s whatever their block, so it favours longer blocks as the
+    fixed seconds do. On the bundled pair behind the link (c = 32, CPU) a verify of 31 sequences
+    of one token took 12x one of one token while routing 5x the experts, and one of 31 blocks of 8
+    2.4x the 31 plain tokens: the cost is the sequences', not the tokens'. Priced per token, a
+    block of 8 for 31 sequences looked 3.6x dearer than it was and the policy never drafted."""
 
     fixed_s: float
     token_s: float
     expert_s: float = 0.0
+    sequence_s: float = 0.0
     routing: RoutingShape | None = None
     skew: float = 1.0  # measured union growth / uniform routing's (beyond the first token's union)
 
@@ -83,22 +96,24 @@ class VerifyCost:
         """The seconds a verify of `tokens` tokens costs beyond its fixed seconds."""
         return self.token_s * tokens + self.expert_s * self.experts(tokens)
 
-    def seconds(self, tokens: float) -> float:
-        return self.fixed_s + self.variable_s(tokens)
+    def seconds(self, tokens: float, sequences: float) -> float:
+        return self.fixed_s + self.sequence_s * sequences + self.variable_s(tokens)
 
     def share_s(self, block: int, batch: float) -> float:
         """A sequence's share of the variable seconds of a verify of `batch` sequences that each
-        verify `block` tokens: what its block adds to the batch, priced as if the batch's other
-        sequences chose as it does (every sequence is asked alike). Priced at the margin instead
-        (the others as they are), the experts a batch shares and a batched draft's fixed cost make
-        every lone block dear, and a batch that decodes plainly never starts drafting together."""
-        return self.variable_s(block * batch) / batch
+        verify `block` tokens: its own seconds and what its block adds to the batch, priced as if
+        the batch's other sequences chose as it does (every sequence is asked alike). Priced at the
+        margin instead (the others as they are), the experts a batch shares and a batched draft's
+        fixed cost make every lone block dear, and a batch that decodes plainly never starts
+        drafting together."""
+        return self.sequence_s + self.variable_s(block * batch) / batch
 
 
 @attrs.define
 class _ComputeFit:
-    """Each call size's running means of seconds (and of distinct experts routed), fitted to
-    seconds ≈ fixed + per-unit × size (`solve`; a drafter's calls) or to `VerifyCost` (`solve_routed`).
+    """Each call size's running means of seconds (and of distinct experts routed and sequences
+    verified), fitted to seconds ≈ fixed + per-unit × size (`solve`; a drafter's calls) or to
+    `VerifyCost` (`solve_routed`).
 
     Sizes keep their own means, so the hundreds of one-token verifies a mostly plain-decoding
     engine runs between two drafted blocks do not wash out what the blocks were measured to
@@ -109,22 +124,26 @@ class _ComputeFit:
 
     means_s: dict[int, float] = attrs.Factory(dict)  # size -> running mean seconds
     experts: dict[int, float] = attrs.Factory(dict)  # size -> running mean distinct experts routed
+    sequences: dict[int, float] = attrs.Factory(dict)  # size -> running mean sequences in the call
     weights: dict[int, float] = attrs.Factory(dict)  # size -> decayed count of calls
     warmed: set[int] = attrs.Factory(set)  # sizes called at least once
 
-    def observe(self, size: int, seconds: float, experts: int = 0) -> None:
+    def observe(self, size: int, seconds: float, experts: int = 0, sequences: int = 0) -> None:
         if size not in self.warmed:
             self.warmed.add(size)
             return
         for known in list(self.weights):
             self.weights[known] *= SIZE_DECAY
             if self.weights[known] < SIZE_FORGOTTEN:
-                del self.weights[known], self.means_s[known], self.experts[known]
+                del self.weights[known], self.means_s[known], self.experts[known], self.sequences[known]
         n = self.weights.get(size, 0.0) + 1.0
         self.weights[size] = n
         step = 1.0 / min(n, SIZE_WINDOW)
         self.means_s[size] = self.means_s.get(size, seconds) + (seconds - self.means_s.get(size, seconds)) * step
         self.experts[size] = self.experts.get(size, experts) + (experts - self.experts.get(size, experts)) * step
+        self.sequences[size] = (
+            self.sequences.get(size, sequences) + (sequences - self.sequences.get(size, sequences)) * step
+        )
 
     def solve(self) -> tuple[float, float] | None:
         """(fixed_s, per_unit_s), or None before any call."""
@@ -143,9 +162,12 @@ class _ComputeFit:
 
     def solve_routed(self, routing: RoutingShape | None) -> VerifyCost | None:
         """The verify cost (sizes are tokens), or None before any verify. With the routing shape,
-        fixed, per-token and per-expert seconds by least squares over the sizes' means (each
-        coefficient >= 0: the best fit of any subset of the three, the one with experts first on a
-        tie, since two sizes fit a line either way); without it, or with one size, `solve`'s line."""
+        fixed, per-expert, per-sequence and per-token seconds by least squares over the sizes'
+        means, each coefficient >= 0: the best fit of any subset of the four whose columns the
+        sizes tell apart, the earlier columns in that order first on a tie (two sizes fit a line
+        either way). So plain rounds alone, whose sequences are their tokens, put their cost on
+        the sequences: blocks look cheap until verified, and the first verified ones say what a
+        token costs. Without the shape, or with one size, `solve`'s line."""
         line = self.solve()
         if line is None:
             return None
@@ -158,22 +180,26 @@ class _ComputeFit:
         first = routing.uniform_union(1.0)
         grown = np.array([routing.uniform_union(t) - first for t in sizes])  # [n] uniform growth beyond one token
         skew = float(np.clip(np.sum(grown * (u - first)) / max(np.sum(grown * grown), 1e-12), 0.05, 1.0))
-        columns = np.stack([np.ones(len(sizes)), np.array(sizes, dtype=float), u], axis=1)  # [n, 3]
-        best: tuple[float, int, np.ndarray] | None = None
-        for rank, used in enumerate(((0, 2), (0, 1, 2), (0, 1), (2,), (1, 2), (1,), (0,))):
-            if len(used) > len(sizes):
+        # [n, 4]: fixed, experts, sequences, tokens (the order ties are settled in)
+        columns = np.stack(
+            [np.ones(len(sizes)), u, np.array([self.sequences[t] for t in sizes]), np.array(sizes, dtype=float)], axis=1
+        )
+        weighted = columns * w[:, None]  # [n, 4]
+        best: tuple[float, np.ndarray] | None = None
+        for used in COLUMN_SUBSETS:
+            coef, _, rank, _ = np.linalg.lstsq(weighted[:, used], y * w, rcond=None)
+            if rank < len(used) or np.any(coef < 0):  # columns the sizes cannot tell apart, or a negative cost
                 continue
-            coef = np.linalg.lstsq(columns[:, used] * w[:, None], y * w, rcond=None)[0]
-            if np.any(coef < 0):
-                continue
-            residual = float(np.sum((w * (columns[:, used] @ coef - y)) ** 2))
+            residual = float(np.sum((weighted[:, used] @ coef - y * w) ** 2))
             if best is None or residual < best[0] * (1 - 1e-9) - 1e-18:
-                full = np.zeros(3)
+                full = np.zeros(4)
                 full[list(used)] = coef
-                best = (residual, rank, full)
+                best = (residual, full)
         assert best is not None  # the intercept alone is the weighted mean of positive seconds
-        fixed, token, expert = (float(c) for c in best[2])
-        return VerifyCost(fixed_s=fixed, token_s=token, expert_s=expert, routing=routing, skew=skew)
+        fixed, expert, sequence, token = (float(c) for c in best[1])
+        return VerifyCost(
+            fixed_s=fixed, token_s=token, expert_s=expert, sequence_s=sequence, routing=routing, skew=skew
+        )
 
 
 class SpeculationPlanner:
@@ -193,8 +219,9 @@ class SpeculationPlanner:
         self._batch: float | None = None  # sequences per batched verify
         self._idle_s: float | None = None  # EMA: seconds the verify lane waits between rounds, drafting aside
         self._base_bytes: float | None = None  # EMA: bytes a block's first position adds
-        self._position_ratio = [_Ratio() for _ in range(max_block)]  # [B] bytes each position adds / the first's
-        self._further_ratio = _Ratio()  # what one more token would add / the first position's (unmeasured ones)
+        # [B] bytes each later position adds / what one more token would have added, in the same rounds
+        self._position_ratio = [_Ratio() for _ in range(max_block)]
+        self._further_ratio = _Ratio()  # what one more token would add / the first position's
         self.decisions: dict[int, int] = {}  # block length chosen -> rounds
         self._expected_drafts = CALIBRATION_PRIOR  # decayed Σ drafts the estimates expected accepted
         self._accepted_drafts = CALIBRATION_PRIOR  # decayed Σ drafts then accepted
@@ -209,10 +236,11 @@ class SpeculationPlanner:
         cost = self._verify_cost
         return cost.fixed_s if cost is not None else 0.0
 
-    def verify_s(self, tokens: int) -> float | None:
-        """Compute seconds of a batched verify of `tokens` tokens, as fitted (None before any verify)."""
+    def verify_s(self, tokens: int, sequences: int) -> float | None:
+        """Compute seconds of a batched verify of `sequences` sequences, `tokens` tokens in all, as
+        fitted (None before any verify)."""
         cost = self._verify_cost
-        return cost.seconds(tokens) if cost is not None else None
+        return cost.seconds(tokens, sequences) if cost is not None else None
 
     def draft_share_s(self, batch: float) -> float:
         """A sequence's share of a drafter call for `batch` sequences (a call's fixed seconds are
@@ -284,14 +312,14 @@ class SpeculationPlanner:
         if cost is None or self._base_bytes is None:
             return None
         batch = max(1.0, self._batch or 1.0)
-        # a later position costs the first position's bytes now times what it added relative to
-        # the first in the rounds that reached it; an unmeasured one what the last measured later
-        # position did, or, before any was, what one more token would have added (leave-one-out)
-        prefix, total, ratio = [], self._base_bytes, self._further_ratio.value
-        prefix.append(int(total))
+        # a later position costs what one more token would add now (leave-one-out, measured every
+        # round) times what it added relative to that in the rounds that reached it; an unmeasured
+        # one relative to it as the last measured later position did, or, before any was, just that
+        further = self._base_bytes * (self._further_ratio.value if self._further_ratio.value is not None else 1.0)
+        prefix, total, relative = [int(self._base_bytes)], self._base_bytes, 1.0
         for measured in self._position_ratio[1:]:
-            ratio = measured.value if measured.value is not None else ratio
-            total += (ratio if ratio is not None else 1.0) * self._base_bytes
+            relative = measured.value if measured.value is not None else relative
+            total += relative * further
             prefix.append(int(total))
         return PolicyInputs(
             acceptance=acceptance.draw() if draw else acceptance.estimate(),
@@ -312,7 +340,7 @@ class SpeculationPlanner:
         None: its forward also prefilled prompts, so its seconds are not a verify's) and routed
         `experts` distinct (layer, expert) pairs."""
         if compute_s is not None:
-            self._fit.observe(sum(t.tokens for t in traces), compute_s, experts)
+            self._fit.observe(sum(t.tokens for t in traces), compute_s, experts, len(traces))
             self._verify_cost = self._fit.solve_routed(self.routing)
         self._batch = _ema(self._batch, float(len(traces)))
         for trace in traces:
@@ -322,7 +350,7 @@ class SpeculationPlanner:
             self._base_bytes = _ema(self._base_bytes, float(first))
             self._further_ratio.observe(trace.further_token_bytes, first)
             for k, nbytes in enumerate(trace.position_fetch_bytes[1 : self.max_block], start=1):
-                self._position_ratio[k].observe(nbytes, first)
+                self._position_ratio[k].observe(nbytes, trace.further_token_bytes)
 
     def observe_committed(self, expected_tokens: float, committed: int) -> None:
         """A verified block of drafts committed `committed` tokens where the sequence's mean
