@@ -1,9 +1,8 @@
 """The engine's side of "how far to speculate": live estimates in, one block length per round out.
 
 Owns the estimates the pure policy (pdflash.spec.policy) is fed: each sequence's acceptance
-(pdflash.spec.acceptance), the bytes a block's first position adds on the link, what one more
-token would add and what each further position adds relative to that (measured by every verify:
-RoundTrace.position_fetch_bytes, further_token_bytes),
+(pdflash.spec.acceptance), the bytes a block's first position adds on the link and what each
+further position adds relative to it (measured by every verify: RoundTrace.position_fetch_bytes),
 and what a round costs in time (a verify's
 fixed and per-token seconds, fitted online from batched verifies; the drafter's seconds per
 sequence; the seconds the verify lane waits between rounds). `speculation="fixed"` always
@@ -31,6 +30,7 @@ SIZE_FORGOTTEN = 0.01  # a size's weight below which the fit drops it
 TOKEN_COST_PRIOR = 0.05  # seconds per token / fixed seconds, assumed until token counts vary
 CALIBRATION_DECAY = 0.98  # per drafted round: the acceptance calibration remembers the last ~50
 CALIBRATION_PRIOR = 4.0  # pseudo-drafts, realized as expected, behind the calibration
+STALE_VERIFIES = 10  # verifies without reaching a block position before its byte ratio starts to fade
 # the verify fit's candidate column sets (0 fixed, 1 experts, 2 sequences, 3 tokens), in tie order
 COLUMN_SUBSETS = sorted(used for k in range(1, 5) for used in itertools.combinations(range(4), k))
 
@@ -219,9 +219,9 @@ class SpeculationPlanner:
         self._batch: float | None = None  # sequences per batched verify
         self._idle_s: float | None = None  # EMA: seconds the verify lane waits between rounds, drafting aside
         self._base_bytes: float | None = None  # EMA: bytes a block's first position adds
-        # [B] bytes each later position adds / what one more token would have added, in the same rounds
-        self._position_ratio = [_Ratio() for _ in range(max_block)]
-        self._further_ratio = _Ratio()  # what one more token would add / the first position's
+        self._position_ratio = [_Ratio() for _ in range(max_block)]  # [B] bytes each position adds / the first's
+        self._further_ratio = _Ratio()  # what one more token would add / the first position's (unmeasured ones)
+        self._unreached = [0] * max_block  # [B] verifies since one last reached each position
         self.decisions: dict[int, int] = {}  # block length chosen -> rounds
         self._expected_drafts = CALIBRATION_PRIOR  # decayed Σ drafts the estimates expected accepted
         self._accepted_drafts = CALIBRATION_PRIOR  # decayed Σ drafts then accepted
@@ -312,14 +312,15 @@ class SpeculationPlanner:
         if cost is None or self._base_bytes is None:
             return None
         batch = max(1.0, self._batch or 1.0)
-        # a later position costs what one more token would add now (leave-one-out, measured every
-        # round) times what it added relative to that in the rounds that reached it; an unmeasured
-        # one relative to it as the last measured later position did, or, before any was, just that
-        further = self._base_bytes * (self._further_ratio.value if self._further_ratio.value is not None else 1.0)
-        prefix, total, relative = [int(self._base_bytes)], self._base_bytes, 1.0
+        # a later position costs the first position's bytes now times what it added relative to
+        # the first in the rounds that reached it (fading toward what one more token would add
+        # while no round does); an unmeasured one what the last measured later position did, or,
+        # before any was, what one more token would have added (leave-one-out)
+        prefix, total, ratio = [], self._base_bytes, self._further_ratio.value
+        prefix.append(int(total))
         for measured in self._position_ratio[1:]:
-            relative = measured.value if measured.value is not None else relative
-            total += relative * further
+            ratio = measured.value if measured.value is not None else ratio
+            total += (ratio if ratio is not None else 1.0) * self._base_bytes
             prefix.append(int(total))
         return PolicyInputs(
             acceptance=acceptance.draw() if draw else acceptance.estimate(),
@@ -343,14 +344,27 @@ class SpeculationPlanner:
             self._fit.observe(sum(t.tokens for t in traces), compute_s, experts, len(traces))
             self._verify_cost = self._fit.solve_routed(self.routing)
         self._batch = _ema(self._batch, float(len(traces)))
-        for trace in traces:
-            if not trace.position_fetch_bytes:
-                continue
+        measured = [t for t in traces if t.position_fetch_bytes]
+        for trace in measured:
             first = trace.position_fetch_bytes[0]
             self._base_bytes = _ema(self._base_bytes, float(first))
             self._further_ratio.observe(trace.further_token_bytes, first)
             for k, nbytes in enumerate(trace.position_fetch_bytes[1 : self.max_block], start=1):
-                self._position_ratio[k].observe(nbytes, trace.further_token_bytes)
+                self._position_ratio[k].observe(nbytes, first)
+        # a position no verify has reached for a while fades toward what one more token would
+        # add: a ratio measured once, at another concurrency or by the few sequences that
+        # drafted, held at every later one (one round of 2 at c = 1 priced each later position at
+        # 1.67 first positions at c = 32, where one more token added 0.3) and kept the policy
+        # from drafting again to measure it
+        if not measured:
+            return
+        reached = max(len(t.position_fetch_bytes) for t in measured)
+        further_mean = sum(t.further_token_bytes for t in measured) / len(measured)
+        first_mean = sum(t.position_fetch_bytes[0] for t in measured) / len(measured)
+        for k, ratio in enumerate(self._position_ratio):
+            self._unreached[k] = 0 if k < reached else self._unreached[k] + 1
+            if self._unreached[k] > STALE_VERIFIES and ratio.value is not None:
+                ratio.observe(further_mean, first_mean)
 
     def observe_committed(self, expected_tokens: float, committed: int) -> None:
         """A verified block of drafts committed `committed` tokens where the sequence's mean
