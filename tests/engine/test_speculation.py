@@ -5,12 +5,20 @@ from __future__ import annotations
 from collections import Counter
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from engine_cases import collect, drained
 from test_engine import GREEDY, PROMPTS, SlowLink
 
 from pdflash.engine.round_work import RoundWork
-from pdflash.engine.speculation import RoutingShape, SpeculationPlanner, VerifyCost, _ComputeFit
+from pdflash.engine.speculation import (
+    COLUMN_SUBSETS,
+    RoutingShape,
+    SpeculationPlanner,
+    VerifyCost,
+    _ComputeFit,
+    _subset_fits,
+)
 from pdflash.sampling import SamplingParams
 from pdflash.spec.policy import choose_block
 from pdflash.spec.projection import ProjectionQuality
@@ -139,6 +147,27 @@ def test_plain_rounds_put_their_cost_on_the_sequences_until_blocks_say_what_a_to
     measured = fit.solve_routed(BUNDLED)
     assert measured.seconds(248, 31) == pytest.approx(sequence_seconds(31, 8)[0], rel=0.05)
     assert measured.seconds(31, 31) == pytest.approx(sequence_seconds(31, 1)[0], rel=0.05)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_batched_subset_fits_equal_one_least_squares_per_column_set(seed):
+    """Oracle: numpy's lstsq on each column set alone, on rows with dependent columns (plain
+    rounds: sequences = tokens; a saturated union: experts constant) and without."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 7))
+    sequences = rng.integers(1, 32, n).astype(float)
+    tokens = sequences if seed % 3 == 0 else sequences * rng.integers(1, 9, n)
+    experts = np.full(n, 128.0) if seed % 4 == 1 else rng.uniform(16, 128, n)
+    columns = np.stack([np.ones(n), experts, sequences, tokens], axis=1) * rng.uniform(0.5, 3, n)[:, None]
+    y = columns @ rng.uniform(0, 1e-3, 4) + rng.normal(0, 1e-4, n) * (seed % 2)
+    independent, residuals, coefs = _subset_fits(columns, y)
+    for used, ok, residual, coef in zip(COLUMN_SUBSETS, independent, residuals, coefs):
+        want, _, rank, _ = np.linalg.lstsq(columns[:, used], y, rcond=None)
+        assert ok == (rank == len(used)), used
+        if ok:
+            assert coef[list(used)] == pytest.approx(want, rel=1e-6, abs=1e-12)
+            assert np.all(coef[[j for j in range(4) if j not in used]] == 0)
+            assert residual == pytest.approx(float(np.sum((columns[:, used] @ want - y) ** 2)), rel=1e-6, abs=1e-18)
 
 
 def test_one_sequence_at_a_time_leaves_the_sequences_column_to_the_fixed_seconds():
