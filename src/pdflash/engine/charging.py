@@ -79,7 +79,7 @@ class UnionOf(Set[ExpertKey]):
 class ExpertMasks:
     """Sets of experts as bits over one byte map: int masks (`mask`, `nbytes`), the form a tick
     charges in, and rows of packed 64-bit words (`row`, `row_of`, `row_bytes`), the form many
-    unions are counted in at once (the yield order's bytes alone, `marginal_charges`).
+    unions are counted in at once (`marginal_charges`, the pure charge function).
 
     As sets, charging one pending union is a set difference over its experts (about 75 ms per
     tick for 256 Qwen3-30B-A3B-sized unions of ~2,500 experts on one CPU core). As masks, a
@@ -141,16 +141,15 @@ class ExpertMasks:
                 return bits
         return np.fromiter(map(self.bit.__getitem__, experts), dtype=np.intp, count=len(experts))
 
-    def row_bytes(self, rows: Rows, scratch: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.int64]:
-        """[n] Σ of the byte map over each row's experts (rows: [n, words]; `scratch`: a [>= n, words]
-        uint8 buffer for the popcounts, which saves allocating one)."""
+    def row_bytes(self, rows: Rows) -> npt.NDArray[np.int64]:
+        """[n] Σ of the byte map over each row's experts (rows: [n, words])."""
         if len(self._sizes) == 1:
-            return self._popcounts(rows, scratch) * self._size_bytes[0]
-        per_class = [self._popcounts(rows & members, scratch) for members in self._size_rows]  # [classes][n]
+            return self._popcounts(rows) * self._size_bytes[0]
+        per_class = [self._popcounts(rows & members) for members in self._size_rows]  # [classes][n]
         return np.stack(per_class, axis=1) @ self._size_bytes
 
-    def _popcounts(self, rows: Rows, scratch: npt.NDArray[np.uint8] | None) -> npt.NDArray[np.int64]:
-        counts = np.bitwise_count(rows, out=scratch[: len(rows)] if scratch is not None else None)  # [n, words] <= 64
+    def _popcounts(self, rows: Rows) -> npt.NDArray[np.int64]:
+        counts = np.bitwise_count(rows)  # [n, words] <= 64
         total = np.uint16 if self.words < 1024 else np.int64  # a row's popcount fits 16 bits: faster sums
         return counts.sum(axis=1, dtype=total).astype(np.int64)
 
@@ -215,9 +214,7 @@ class TrackedRow:
         return self._mask
 
 
-def marginal_charges(
-    masks: ExpertMasks, stacked: Rows, scratch: npt.NDArray[np.uint8] | None = None
-) -> npt.NDArray[np.int64]:
+def marginal_charges(masks: ExpertMasks, stacked: Rows) -> npt.NDArray[np.int64]:
     """[n] bytes each of rows 1..n of `stacked` ([n + 1, words]) adds to row 0 and the rows before it.
 
     Row 0 is what is already covered (resident ∪ in flight), rows 1..n the pending unions in
@@ -225,7 +222,7 @@ def marginal_charges(
     Overwrites `stacked` with those running ors (its last row: all of it).
     """
     np.bitwise_or.accumulate(stacked, axis=0, out=stacked)
-    return np.diff(masks.row_bytes(stacked, scratch))
+    return np.diff(masks.row_bytes(stacked))
 
 
 class MarginalCounter:
@@ -250,11 +247,6 @@ class MarginalCounter:
 def row_mask(row: Rows) -> int:
     """The int mask of one row ([words])."""
     return int.from_bytes(row.astype("<u8", copy=False).tobytes(), "little")
-
-
-def without(rows: Rows, covered: Rows) -> Rows:
-    """`rows` ([n, words]) less the experts of `covered` ([words]), in place."""
-    return np.bitwise_and(rows, ~covered, out=rows)
 
 
 def charge_bytes(

@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Set
 
 import attrs
-import numpy as np
 
 from pdflash.checks import require_int
 from pdflash.engine.admission import ZERO, TokensBytes, VerifyAdmission, first_fit_stream, require_fits_cap
@@ -296,9 +295,11 @@ class VerifyScheduler:
             yield from waiting
             return
         ranked = [entry, *itertools.islice(waiting, LOOK_AHEAD - 1)]  # none guarded: ordered by yield alone
-        slots = np.fromiter(map(_SLOT, ranked), dtype=np.intp, count=len(ranked))
-        order = by_yield(self._table.expected[slots], self._table.alone_bytes(slots, covered))
-        yield from map(ranked.__getitem__, order.tolist())
+        slots = list(map(_SLOT, ranked))
+        expected = self._table.expected
+        yield from map(
+            ranked.__getitem__, by_yield([expected[s] for s in slots], self._table.alone_bytes(slots, covered))
+        )
         yield from waiting  # behind the look-ahead: arrival order
 
     def _charger(self, covered: int | None, inside: Set[int] = frozenset()) -> Callable[[_Entry], int]:
