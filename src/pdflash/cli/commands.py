@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 
 import attrs
 
-from pdflash.cli.errors import EXIT_FILE, EXIT_MODEL, UserError
+from pdflash.cli.errors import EXIT_FILE, EXIT_INTERRUPTED, EXIT_MODEL, UserError
 from pdflash.cli.options import check_device, engine_options, load_engine
 from pdflash.errors import CheckpointError
 from pdflash.measure import tokens_per_second
@@ -58,11 +59,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = _sampling(args, args.target)
         engine = load_engine(args, budgets, offload, progress=not args.json, max_num_seqs=1)
         prompt = _prompt_ids(args, engine.tokenizer)
-        result = anyio.run(_generate_one, engine, prompt, params, not args.json)
+        result = anyio.run(_until_interrupted, _generate_one, engine, prompt, params, not args.json)
     except CheckpointError as exc:
         raise UserError(str(exc), EXIT_MODEL) from None
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if result is None:
+        return EXIT_INTERRUPTED
     if args.json:
         print(json.dumps(result))
     else:
@@ -76,6 +79,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+async def _until_interrupted(run, *args):
+    """`await run(*args)`, or None once Ctrl+C cancelled it.
+
+    Left to asyncio, Ctrl+C cancels the main task natively, and the signal's handler runs
+    only once the main thread next runs Python; a signal received by a lane's thread then
+    waits for the next event, and a native cancellation can meet anyio's cancel scopes on
+    the way out (CI saw one run ignore it and finish). A signal receiver wakes the loop
+    whichever thread takes the signal, and the cancellation is a plain cancel scope's.
+    """
+    import anyio
+
+    result, error = None, None
+    with anyio.open_signal_receiver(signal.SIGINT) as interrupts:
+        async with anyio.create_task_group() as group:
+
+            async def body() -> None:
+                nonlocal result, error
+                try:
+                    result = await run(*args)
+                except Exception as exc:  # raised as itself below, not in the group's ExceptionGroup
+                    error = exc
+                group.cancel_scope.cancel()
+
+            group.start_soon(body)
+            async for _ in interrupts:
+                group.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
 
 
 async def _generate_one(engine, prompt: list[int], params: SamplingParams, echo: bool) -> dict:
