@@ -628,6 +628,18 @@ def test_a_guarded_demand_is_offered_before_a_better_yield():
         offer_order(keys, "best", barrier_after=4)
 
 
+def test_equal_yields_keep_arrival_order():
+    """Ties (equal tokens per byte, or several demands that add no bytes) are offered oldest first."""
+    keys = [
+        OrderKey(seq_id="a", expected_tokens=1.0, alone_bytes=10, skipped_ticks=0),
+        OrderKey(seq_id="b", expected_tokens=2.0, alone_bytes=20, skipped_ticks=0),
+        OrderKey(seq_id="c", expected_tokens=1.0, alone_bytes=0, skipped_ticks=0),
+        OrderKey(seq_id="d", expected_tokens=3.0, alone_bytes=0, skipped_ticks=0),
+        OrderKey(seq_id="e", expected_tokens=1.0, alone_bytes=5, skipped_ticks=0),
+    ]
+    assert offer_order(keys, "yield", barrier_after=4) == [2, 3, 4, 0, 1]
+
+
 def test_yield_ranks_only_the_oldest_look_ahead_and_keeps_arrival_order_behind_them():
     """The best yield behind the window waits its turn; within the window yield decides."""
     n = LOOK_AHEAD + 2
