@@ -7,11 +7,19 @@ from pdflash.engine.prefill_mode import prefill_waits_for_verify, prefills_ride_
 
 
 @pytest.mark.parametrize(
-    ("choice", "offloaded", "rides"),
-    [("auto", True, True), ("auto", False, False), ("verify", False, True), ("alone", True, False)],
+    ("choice", "offloaded", "shared", "rides"),
+    [
+        ("auto", True, False, True),
+        ("auto", False, False, False),
+        ("auto", False, True, True),
+        ("verify", False, False, True),
+        ("alone", True, True, False),
+    ],
 )
-def test_auto_prefills_inside_verifies_only_with_offloaded_experts(choice, offloaded, rides):
-    assert prefills_ride_verifies(choice, offloaded=offloaded) is rides
+def test_auto_prefills_inside_verifies_with_offloaded_experts_or_a_shared_drafter_lane(
+    choice, offloaded, shared, rides
+):
+    assert prefills_ride_verifies(choice, offloaded=offloaded, drafter_shares_target=shared) is rides
 
 
 def test_a_prefill_waits_for_a_verify_only_while_it_rides_them_and_someone_is_in_rounds():
@@ -24,4 +32,4 @@ def test_an_unknown_prefill_mode_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="prefill_mode='inline' is not one of 'auto', 'verify', 'alone'"):
         EngineConfig(prefill_mode="inline")
     with pytest.raises(ValueError, match="'auto', 'verify', 'alone'"):
-        prefills_ride_verifies("both", offloaded=True)
+        prefills_ride_verifies("both", offloaded=True, drafter_shares_target=False)

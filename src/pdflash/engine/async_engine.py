@@ -115,7 +115,11 @@ class AsyncEngine:
             )
             self.drafter_lane = "own" if own else "shared"
         # whether a waiting prompt's prefill runs inside the next batched verify (pdflash.engine.prefill_mode)
-        self.prefills_ride = prefills_ride_verifies(self.config.prefill_mode, offloaded=provider is not None)
+        self.prefills_ride = prefills_ride_verifies(
+            self.config.prefill_mode,
+            offloaded=provider is not None,
+            drafter_shares_target=self.drafter_lane == "shared",
+        )
         self._derived = None
         if self.scheduling == "derived" and provider is not None:
             self._derived = DerivedBudgets(
