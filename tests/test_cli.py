@@ -50,9 +50,10 @@ def test_json_contract_speculative_equals_no_spec(capsys, tiny_target, drafter_d
     shared = run_json(capsys, *common, "--block-size", "4", "--drafter-lane", "shared")
     assert shared["token_ids"] == plain["token_ids"] and shared["stats"]["drafter_lane"] == "shared"
     assert spec["stats"]["drafter_lane"] == "own" and plain["stats"]["drafter_lane"] is None  # 1 thread: its own
-    assert spec["stats"]["prefill_mode"] == "alone"  # resident, the drafter on its own lane: "auto" prefills alone
-    asked = run_json(capsys, *common, "--block-size", "4", "--prefill-mode", "verify")
-    assert asked["token_ids"] == plain["token_ids"] and asked["stats"]["prefill_mode"] == "verify"
+    assert spec["stats"]["prefill_mode"] == "verify"  # resident with a drafter: "auto" rides verifies
+    assert plain["stats"]["prefill_mode"] == "alone"  # resident plain decoding prefills alone
+    asked = run_json(capsys, *common, "--block-size", "4", "--prefill-mode", "alone")
+    assert asked["token_ids"] == plain["token_ids"] and asked["stats"]["prefill_mode"] == "alone"
     assert plain["acceptance_lengths"] == [] or set(plain["acceptance_lengths"]) == {1}
     assert sum(spec["acceptance_lengths"]) == 23  # every token after the prefill's first comes from a round
     for key in ("mean_acceptance_length", "tokens_per_second", "projection_coverage", "projection_waste_bytes"):

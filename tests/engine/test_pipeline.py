@@ -55,8 +55,9 @@ def slowed(fn, seconds, record=None):
 @pytest.mark.asyncio
 async def test_one_group_drafts_while_the_other_verifies(make_engine, reference):
     # fixed blocks: the adaptive policy sends the random tiny drafter's sequences to plain
-    # decoding (the target lane), and this is about drafts overlapping verifies (on a lane of their own)
-    async with make_engine(speculation="fixed", drafter_lane="own") as engine:
+    # decoding (the target lane), and this is about drafts overlapping verifies (on a lane of their
+    # own); prompts prefill alone, so the second group starts out of step with the first
+    async with make_engine(speculation="fixed", drafter_lane="own", prefill_mode="alone") as engine:
         spec = engine.speculator
         spec.verify_rounds = slowed(spec.verify_rounds, 0.02)
         spec.draft_rounds = slowed(spec.draft_rounds, 0.02)
@@ -72,7 +73,7 @@ async def test_one_group_drafts_while_the_other_verifies(make_engine, reference)
 
 @pytest.mark.asyncio
 async def test_busy_time_counts_overlapping_drafts_and_verifies_once(make_engine):
-    async with make_engine(speculation="fixed", drafter_lane="own") as engine:
+    async with make_engine(speculation="fixed", drafter_lane="own", prefill_mode="alone") as engine:
         spec = engine.speculator
         spec.verify_rounds = slowed(spec.verify_rounds, 0.02)
         spec.draft_rounds = slowed(spec.draft_rounds, 0.02)
@@ -111,7 +112,8 @@ async def test_the_next_batch_is_admitted_against_the_running_union_and_fetched_
 async def test_with_a_link_latecomers_join_the_next_launch_and_without_one_they_overlap(
     loaded, drafter, offloaded, reference, link_gbps, drafter_lane
 ):
-    """Two groups out of step. Link-bound, a launch waits for the sequences still drafting
+    """Two groups out of step (prompts prefilled alone: riding a verify would put the second
+    group in step with the first). Link-bound, a launch waits for the sequences still drafting
     (bounded by the copies under way and the drafter's measured time), so the groups merge
     and each round's experts cross the link once; resident, they stay two cohorts that
     overlap drafting with verifying, unless the drafts run on the verify lane itself, where
@@ -120,7 +122,7 @@ async def test_with_a_link_latecomers_join_the_next_launch_and_without_one_they_
     spec = Speculator(target.model, drafter, expert_nbytes=target.expert_nbytes, resident=target.model.experts.resident)
     spec.draft_rounds = slowed(spec.draft_rounds, 0.02)
     provider = target.model.experts if link_gbps is not None else None
-    config = EngineConfig(speculation="fixed", drafter_lane=drafter_lane)
+    config = EngineConfig(speculation="fixed", drafter_lane=drafter_lane, prefill_mode="alone")
     engine = AsyncEngine(spec, loaded.tokenizer, config, provider=provider)
     async with engine:
         results = await run_staggered(engine, PROMPTS, PROMPTS[::-1])
@@ -266,8 +268,8 @@ async def test_a_prompt_waits_for_a_sequence_about_to_reach_its_limit_only_behin
 ):
     """A request arriving while the seated one is expected to reach its length limit sooner than
     a prefill takes (a prefill slowed to 0.3 s, 4 tokens left at tens of ms each): with a link it
-    waits for that exit, and the seated sequence keeps verifying meanwhile; resident, it is
-    prefilled at once (and the seated one waits behind its prefill)."""
+    waits for that exit, and the seated sequence keeps verifying meanwhile; resident, prefilling
+    alone, it is prefilled at once (and the seated one waits behind its prefill)."""
     target = offloaded(expert_cache_fraction=0.25, link_gbps=link_gbps)
     spec = Speculator(target.model, drafter, expert_nbytes=target.expert_nbytes, resident=target.model.experts.resident)
     prefills: list[tuple[float, float]] = []
@@ -275,7 +277,8 @@ async def test_a_prompt_waits_for_a_sequence_about_to_reach_its_limit_only_behin
     spec.begin_sessions = slowed(spec.begin_sessions, 0.3, prefills)
     spec.verify_rounds = slowed(spec.verify_rounds, 0.0, verifies)
     provider = target.model.experts if link_gbps is not None else None
-    engine = AsyncEngine(spec, loaded.tokenizer, EngineConfig(), provider=provider)
+    config = EngineConfig() if link_gbps is not None else EngineConfig(prefill_mode="alone")
+    engine = AsyncEngine(spec, loaded.tokenizer, config, provider=provider)
     short = SamplingParams(max_tokens=6)
     results, near_limit, arrived = {}, anyio.Event(), []
 
@@ -348,15 +351,15 @@ def link_engine(loaded, drafter, offloaded, link_gbps=0.05, **config):
 
 @pytest.mark.parametrize(
     ("link_gbps", "prefill_mode", "rides"),
-    [(0.05, "auto", True), (0.05, "alone", False), (None, "auto", False), (None, "verify", True)],
+    [(0.05, "auto", True), (0.05, "alone", False), (None, "auto", True), (None, "alone", False)],
 )
 @pytest.mark.asyncio
-async def test_a_prompt_arriving_mid_rounds_prefills_inside_the_next_verify_behind_a_link(
+async def test_a_prompt_arriving_mid_rounds_prefills_inside_the_next_verify(
     loaded, drafter, offloaded, reference, link_gbps, prefill_mode, rides
 ):
-    """The second group arrives while the first is in its rounds: behind a link ("auto") or when
-    asked ("verify") its prompts prefill in the forward of the first group's next verify; resident
-    ("auto") or "alone", in forwards of their own. Either way every output equals plain decoding."""
+    """The second group arrives while the first is in its rounds: with a drafter ("auto", behind a
+    link or resident) its prompts prefill in the forward of the first group's next verify; asked
+    for "alone", in forwards of their own. Either way every output equals plain decoding."""
     engine = link_engine(loaded, drafter, offloaded, link_gbps, prefill_mode=prefill_mode)
     calls: list[tuple[int, int]] = []
     mixed_calls(engine.speculator, calls)

@@ -7,7 +7,7 @@ from pdflash.engine.prefill_mode import prefill_waits_for_verify, prefills_ride_
 
 
 @pytest.mark.parametrize(
-    ("choice", "offloaded", "shared", "rides"),
+    ("choice", "offloaded", "drafts", "rides"),
     [
         ("auto", True, False, True),
         ("auto", False, False, False),
@@ -16,10 +16,8 @@ from pdflash.engine.prefill_mode import prefill_waits_for_verify, prefills_ride_
         ("alone", True, True, False),
     ],
 )
-def test_auto_prefills_inside_verifies_with_offloaded_experts_or_a_shared_drafter_lane(
-    choice, offloaded, shared, rides
-):
-    assert prefills_ride_verifies(choice, offloaded=offloaded, drafter_shares_target=shared) is rides
+def test_auto_prefills_inside_verifies_with_offloaded_experts_or_a_drafter(choice, offloaded, drafts, rides):
+    assert prefills_ride_verifies(choice, offloaded=offloaded, drafts=drafts) is rides
 
 
 def test_a_prefill_waits_for_a_verify_only_while_it_rides_them_and_someone_is_in_rounds():
@@ -32,4 +30,4 @@ def test_an_unknown_prefill_mode_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="prefill_mode='inline' is not one of 'auto', 'verify', 'alone'"):
         EngineConfig(prefill_mode="inline")
     with pytest.raises(ValueError, match="'auto', 'verify', 'alone'"):
-        prefills_ride_verifies("both", offloaded=True, drafter_shares_target=False)
+        prefills_ride_verifies("both", offloaded=True, drafts=False)

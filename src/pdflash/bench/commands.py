@@ -131,7 +131,7 @@ def register_subcommands(sub) -> None:
         choices=PREFILL_MODES,
         default="auto",
         help="where prompts prefill: inside the next batched verify, or alone (default auto: inside verifies "
-        "with experts offloaded, the simulated drafter having a lane of its own; --validate takes the bench report's, alone for reports before it was recorded)",
+        "with experts offloaded or a drafter; --validate takes the bench report's, alone for reports before it was recorded)",
     )
     sim.add_argument(
         "--lock-step",

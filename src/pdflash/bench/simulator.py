@@ -138,10 +138,9 @@ class Simulator:
             RoutingShape.of(setup.byte_map, setup.top_k),
         )
         self.router = cfg.offloaded or cfg.two_dimensional  # the engine's default projector choice
-        # prompts prefill inside the next batched verify (pdflash.engine.prefill_mode); the drafter
-        # has a lane of its own here
+        # prompts prefill inside the next batched verify (pdflash.engine.prefill_mode)
         self.prefills_ride = setup.pipelined and prefills_ride_verifies(
-            setup.prefill_mode, offloaded=cfg.offloaded, drafter_shares_target=False
+            setup.prefill_mode, offloaded=cfg.offloaded, drafts=cfg.speculative
         )
         self.target = SimLane(self.clock, "target")
         self.drafter = SimLane(self.clock, "drafter") if setup.pipelined else self.target

@@ -31,8 +31,8 @@ def add_engine_layout_flags(p: argparse.ArgumentParser) -> None:
             PREFILL_MODES,
             "where a prompt's prefill runs: inside the next batched verify (one forward, so the experts "
             "both route to cross the link once) or alone as soon as the target frees; auto prefills inside "
-            "verifies when experts are offloaded or the drafter shares the target's lane (its first draft then "
-            "joins the batch's) (default auto; docs/engine.md)",
+            "verifies when experts are offloaded or a drafter is loaded (its first draft then joins the "
+            "batch's) (default auto; docs/engine.md)",
         ),
     }
     for flag, (choices, help_text) in layout.items():

@@ -116,9 +116,7 @@ class AsyncEngine:
             self.drafter_lane = "own" if own else "shared"
         # whether a waiting prompt's prefill runs inside the next batched verify (pdflash.engine.prefill_mode)
         self.prefills_ride = prefills_ride_verifies(
-            self.config.prefill_mode,
-            offloaded=provider is not None,
-            drafter_shares_target=self.drafter_lane == "shared",
+            self.config.prefill_mode, offloaded=provider is not None, drafts=speculator.drafter is not None
         )
         self._derived = None
         if self.scheduling == "derived" and provider is not None:

@@ -59,7 +59,7 @@ class EngineConfig:
     drafter_lane: str = "auto"
     # where a prompt's prefill runs (pdflash.engine.prefill_mode): "verify" (inside the next batched
     # verify, whose experts it shares), "alone", or "auto": inside verifies when experts are offloaded
-    # or the drafter shares the target's lane
+    # or a drafter is loaded
     prefill_mode: str = "auto"
 
     def __attrs_post_init__(self) -> None:

@@ -10,20 +10,19 @@ experts both route to cross the link once. When sequences leave their seats roun
 (speculative ones do), their successors otherwise prefill one by one: with 64 requests over
 16 clients plain decoding ran 1.3x faster than adaptive speculation (docs/benchmarks.md).
 
-Resident, riding saves no bytes, but where the drafter shares the target's lane (a CPU of
-2-3 threads) a prefill run alone is one more lane call between two verifies, and its sequence
-then drafts alone too, a drafter call of its own, while the seats that verified draft without
-it: every arrival adds two calls to the lane. Riding, the newcomer's prefill is part of the
-next verify and it drafts with that batch (resident adaptive, 2 threads, against prefilling
-alone: 1.03x at c = 4, 1.11x at 16, 1.15x at 32; docs/engine.md).
+Resident, riding saves no bytes, but with a drafter it saves calls: a prefill run alone is
+one more target call between two verifies, and its sequence then drafts alone, a drafter
+call of its own, apart from the seats that just verified. Riding, the newcomer's prefill is
+part of the next verify and it drafts with that batch (resident adaptive against prefilling
+alone, c = 4 / 16 / 32: 1.06x / 1.06x / 1.03x with the drafter on the target's lane at 2
+threads, 1.02x / 1.10x / 1.06x with a lane of its own at 1 thread each; docs/engine.md).
 
 "verify": a prefill waits for the next verify launch while any seated sequence is in its
 rounds (each of them ends in a verify or an exit, so the wait is bounded), and runs alone
 once none is. "alone": as soon as the target lane frees. "auto": "verify" with experts behind
-a link or with the drafter on the target's lane; with a drafter lane of its own, resident,
-a prefill would delay every seat's verify by its compute and save neither bytes nor calls
-(not measured). Must not run anything: the engine's prefill lane and the pacer (and the
-simulator) ask.
+a link or with a drafter; resident plain decoding prefills alone (a prompt would delay every
+seat's step by its compute and save neither bytes nor drafter calls; not measured). Must not
+run anything: the engine's prefill lane and the pacer (and the simulator) ask.
 """
 
 from __future__ import annotations
@@ -31,13 +30,13 @@ from __future__ import annotations
 PREFILL_MODES = ("auto", "verify", "alone")
 
 
-def prefills_ride_verifies(choice: str, *, offloaded: bool, drafter_shares_target: bool) -> bool:
+def prefills_ride_verifies(choice: str, *, offloaded: bool, drafts: bool) -> bool:
     """Whether waiting prefills run inside the next batched verify (see the module's rule)."""
     if choice not in PREFILL_MODES:
         raise ValueError(f"prefill_mode={choice!r} is not one of {', '.join(map(repr, PREFILL_MODES))}")
     if choice != "auto":
         return choice == "verify"
-    return offloaded or drafter_shares_target
+    return offloaded or drafts
 
 
 def prefill_waits_for_verify(*, rides: bool, sequences_in_rounds: int) -> bool:
