@@ -4,6 +4,7 @@ configuration and requests fail before anything runs, streams never block the lo
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 
@@ -82,16 +83,22 @@ class RecordingProvider:
     link_bytes_per_s = None
 
     def __init__(self):
-        self.prefetched, self.claims = [], set()
+        self.prefetched, self.claims, self.made, self.forwarded = [], set(), [], []
 
     def prefetch(self, union):
         self.prefetched.append(union)
         claim = Claim(union)
         self.claims.add(claim)
+        self.made.append(claim)
         return claim
 
     def release(self, claim):
         self.claims.discard(claim)
+
+    @contextlib.contextmanager
+    def forward_of(self, claims):  # the claims of the batched verify running inside
+        self.forwarded.append(tuple(claims))
+        yield
 
     def resident(self):
         return frozenset()
@@ -199,6 +206,7 @@ async def test_a_launch_prefetches_what_it_will_likely_route_as_the_link_binds(l
         stats = await drained(engine)
     assert ids == reference(PROMPTS[0]) and stats.claimed_experts == 0
     assert len(provider.prefetched) == len(drafts) > 1
+    assert provider.forwarded == [(claim,) for claim in provider.made]  # each verify ran as its claim's forward
     # the charged union keeps the coin flip; the prefetch drops it once a verify was timed
     # (before, the certainty is 0: the unions whole), and never without a link
     kinds = [

@@ -276,18 +276,44 @@ def test_on_demand_fetch_overtakes_queued_background_prefetch(store, config):
 def test_route_ahead_prefetch_is_covered_and_claimed(store, config):
     provider = provider_over(store, config, expert_cache_bytes=4 * 3 * 32 * 64 * 4)
     union = [(layer, e) for layer in config.moe_layer_ids for e in (0, 1)]  # 8 keys, 4 slots
-    assert provider.prefetch(union).queued == 8
+    claim = provider.prefetch(union)
+    assert claim.queued == 8
     assert provider.lane.wait_idle(timeout=10)
     stats = provider.stats()
     assert provider.resident() == set(sorted(union)[:4]), "earliest layers first, and no prefetch evicts its own"
-    assert stats["prefetch_fetches"] == 4 and stats["prefetch_dropped"] == 4 and stats["evictions"] == 0
+    assert stats["prefetch_fetches"] == 4 and stats["prefetch_dropped"] == 0 and stats["evictions"] == 0
     layer = config.moe_layer_ids[0]
-    list(provider.waves(layer, [0, 1]))
+    list(provider.waves(layer, [0, 1]))  # not inside forward_of: the claims stay, and so the 4 keys wait
     assert provider.stats()["prefetch_coverage"] == 1.0 and provider.stats()["misses"] == 0
+    assert provider.lane.wait_idle(timeout=10) and provider.stats()["prefetch_fetches"] == 4
+    provider.release(claim)  # the verify ran: what still waits is dropped, not fetched
+    assert provider.lane.wait_idle(timeout=10)
+    stats = provider.stats()
+    assert stats["prefetch_fetches"] == 4 and stats["prefetch_dropped"] == 4 and stats["claimed_experts"] == 0
     list(provider.waves(config.moe_layer_ids[2], [5, 6, 7, 8]))  # evicts layer 1's prefetched experts unused
     stats = provider.stats()
     assert stats["prefetch_waste_bytes"] == 2 * store.nbytes((1, 0))
     assert stats["prefetch_coverage"] == pytest.approx(2 / 6)
+    provider.close()
+
+
+def test_a_forward_leaving_a_layer_gives_its_slots_to_the_keys_that_wait(store, config):
+    """A claim ends layer by layer as its verify's forward passes (`forward_of`): with a cache
+    of half the union, the keys that waited are fetched into the slots of the layers behind
+    the forward, so every layer finds its experts (without it, the last two layers miss)."""
+    provider = provider_over(store, config, expert_cache_bytes=4 * 3 * 32 * 64 * 4)
+    union = [(layer, e) for layer in config.moe_layer_ids for e in (0, 1)]  # 8 keys, 4 slots
+    claim = provider.prefetch(union)
+    assert provider.lane.wait_idle(timeout=10)
+    with provider.forward_of([claim]):
+        for layer in config.moe_layer_ids:
+            list(provider.waves(layer, [0, 1]))
+            assert provider.lane.wait_idle(timeout=10)
+    stats = provider.stats()
+    assert stats["misses"] == 0 and stats["prefetch_fetches"] == 8 and stats["prefetch_coverage"] == 1.0
+    assert stats["prefetch_dropped"] == 0 and stats["prefetch_waste_bytes"] == 0
+    provider.release(claim)
+    assert provider.stats()["claimed_experts"] == 0
     provider.close()
 
 

@@ -1,11 +1,13 @@
 """The simulated device expert cache and its serial copy engine, on a virtual clock.
 
 Mirrors `pdflash.offload.device_cache` without tensors or threads: a table of experts in
-slots, pins held by the layer a forward is running, counted claims held by route-ahead
-prefetches until their verify ran (`release`), and the REAL eviction policy (`make_policy`) choosing
-among unpinned ready experts (claimed last, then lowest score). One serial copy engine runs
-jobs in priority order (on-demand > route-ahead), each taking bytes / link rate, like the
-emulated link's pipe. Counts in the real cache's `Counters`. Must not schedule or compute.
+slots, pins held by the layer a forward is running, numbered claims held by route-ahead
+prefetches until their verify's forward passed the layer or their verify ran (`release`), and
+the REAL eviction policy (`make_policy`) choosing among unpinned ready experts (unclaimed by
+lowest score, then the claimed needed last). One serial copy engine runs on-demand copies
+first, else the claimed key needed soonest (waiting while no slot can be freed for it), each
+taking bytes / link rate, like the emulated link's pipe. Counts in the real cache's
+`Counters`. Must not schedule or compute.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import sys
+from collections import deque
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -20,8 +24,10 @@ import attrs
 from pdflash.offload.cache_stats import Counters
 from pdflash.offload.eviction import make_policy
 from pdflash.offload.prefetch import Priority
-from pdflash.offload.slot_table import drop_claims
+from pdflash.offload.slot_table import NextUse, WantedKeys
 from pdflash.target.experts import ExpertKey
+
+_NEVER: NextUse = (sys.maxsize, sys.maxsize)  # no claimed forward needs an expert after this
 
 
 class SimulationError(ValueError):
@@ -42,7 +48,16 @@ class _Entry:
 class _Job:
     key: ExpertKey
     requested_at: float
-    reserved: _Entry | None  # on-demand: the forward reserved its slot already
+    reserved: _Entry  # the forward reserved its slot already
+
+
+@attrs.define(eq=False)
+class SimClaim:
+    """One route-ahead prefetch's claim, as `offload.device_cache.ExpertClaim`."""
+
+    keys: tuple[ExpertKey, ...]
+    order: int
+    passed: set[int] = attrs.Factory(set)  # layers its verify's forward has computed
 
 
 class SimCache:
@@ -55,7 +70,8 @@ class SimCache:
         slots: int,
         link_bytes_per_s: float,
         policy: str,
-        claims_per_layer: bool = False,  # the cache before 83fdf42: a forward reaching a layer ends its claims
+        claims_per_layer: bool = False,  # the lock-step engine's cache: a forward reaching a layer ends its claims,
+        # and a prefetch that finds no slot is dropped
     ) -> None:
         if slots < 2:
             raise SimulationError(f"the simulated expert cache holds {slots} experts; it needs at least 2")
@@ -63,12 +79,14 @@ class SimCache:
         self.policy = make_policy(policy)
         self.table: dict[ExpertKey, _Entry] = {}
         self.counters = Counters()  # the real cache's counters (the subset a simulation moves)
-        self._queue: list[tuple[int, int, _Job]] = []
-        self._order = itertools.count()
+        self._queue: deque[_Job] = deque()  # on-demand copies, in the order asked
         self._link_free_at = 0.0
-        self.claims: dict[ExpertKey, int] = {}  # key -> unreleased prefetches claiming it
+        self.claims: dict[ExpertKey, list[int]] = {}  # key -> the orders of its unreleased claims, ascending
+        self._claim_orders = itertools.count()
+        self.wanted = WantedKeys()  # claimed keys not resident, the soonest needed first
+        self._parked = False  # no slot could be freed for the key needed soonest, until pins or claims change
         self.claims_per_layer = claims_per_layer
-        self._lane_victims: list[_Entry] | None = None  # valid until pins or scores change
+        self._lane_victims: list[_Entry] | None = None  # unclaimed candidates; valid until pins or scores change
         # Every shipped policy scores (layer, expert) from that layer's routing history only, so a
         # score changes only when its layer is observed (or the key forgotten): cache per layer.
         self._scores: dict[int, dict[ExpertKey, tuple]] = {}
@@ -81,23 +99,35 @@ class SimCache:
         return frozenset(self.table)
 
     # -- route-ahead prefetch --
-    def prefetch(self, union: Iterable[ExpertKey], now: float) -> tuple[ExpertKey, ...]:
-        """Queue the union's missing experts (earliest layer first) and claim every key of it, as
-        OffloadedExperts.prefetch does; returns the claim, for `release` once its verify ran."""
-        keys = tuple(sorted(set(union)))
-        for key in keys:
-            self.claims[key] = self.claims.get(key, 0) + 1
+    def prefetch(self, union: Iterable[ExpertKey], now: float) -> SimClaim:
+        """Claim every key of the union and want the missing ones, as OffloadedExperts.prefetch
+        does; returns the claim, for `pass_layer` and `release`."""
+        claim = SimClaim(tuple(sorted(set(union))), next(self._claim_orders))
+        for key in claim.keys:
+            self.claims.setdefault(key, []).append(claim.order)
             if key not in self.table:
-                self._push(Priority.ROUTE_AHEAD, _Job(key, now, None))
-        self._lane_victims = None
-        return keys
+                use = self.next_use(key)
+                assert use is not None
+                self.wanted.add(key, Priority.ROUTE_AHEAD, now, use)
+        self._changed()
+        return claim
 
-    def release(self, claim: tuple[ExpertKey, ...]) -> None:
+    def pass_layer(self, layer: int, claims: Iterable[SimClaim]) -> None:
+        """The verify of `claims` has computed `layer`: their claims there end (forward_of)."""
+        if self.claims_per_layer:
+            return
+        for claim in claims:
+            if layer not in claim.passed:
+                claim.passed.add(layer)
+                self._unclaim([k for k in claim.keys if k[0] == layer], claim.order)
+        self._changed()
+
+    def release(self, claim: SimClaim) -> None:
         """Give back one prefetch's claims (per-layer claims ended when the forward reached them)."""
         if self.claims_per_layer:
             return
-        drop_claims(self.claims, claim)
-        self._lane_victims = None
+        self._unclaim([k for k in claim.keys if k[0] not in claim.passed], claim.order)
+        self._changed()
 
     # -- a forward's layer --
     def acquire(self, layer: int, experts: Iterable[int], now: float) -> tuple[list[_Entry], float]:
@@ -111,6 +141,7 @@ class SimCache:
         if self.claims_per_layer:
             for key in [k for k in self.claims if k[0] == layer]:
                 del self.claims[key]
+            self._parked = False
         self._run_lane(until=now)
         held, missing = [], []
         for expert in experts:
@@ -123,7 +154,7 @@ class SimCache:
             entry.prefetched = False
             held.append(entry)
         if missing:
-            victims = self._victims(len(missing) - self._free(), allow_claimed=True, now=now)
+            victims = self._victims(len(missing) - self._free(), needed_at=None, now=now)
             if self._free() + len(victims) < len(missing):
                 raise SimulationError(
                     f"layer {layer} routes {len(experts)} experts but only {self._free() + len(victims)} of the "
@@ -134,7 +165,7 @@ class SimCache:
             for key in missing:
                 entry = self._add(_Entry(key, self.byte_map[key], pins=1))
                 self.counters.miss_bytes += entry.nbytes
-                self._push(Priority.ON_DEMAND, _Job(key, now, entry))
+                self._queue.append(_Job(key, now, entry))
                 held.append(entry)
         self._run_lane(until=now, needed=held)
         return held, max((e.ready_at for e in held), default=now)
@@ -142,33 +173,49 @@ class SimCache:
     def unpin(self, held: list[_Entry]) -> None:
         for entry in held:
             entry.pins -= 1
-        self._lane_victims = None
+        self._changed()
+
+    def next_use(self, key: ExpertKey) -> NextUse | None:
+        orders = self.claims.get(key)
+        return (orders[0], key[0]) if orders else None
 
     # -- internals --
     def _free(self) -> int:
         return self.slots - len(self.table)
 
-    def _push(self, priority: Priority, job: _Job) -> None:
-        heapq.heappush(self._queue, (int(priority), next(self._order), job))
+    def _changed(self) -> None:
+        """Pins or claims changed: victims are chosen anew, and a waiting key may find a slot."""
+        self._lane_victims = None
+        self._parked = False
 
-    def _victims(self, n: int, *, allow_claimed: bool, now: float) -> list[_Entry]:
-        """The n entries the real cache would evict one after another (scores do not change between)."""
+    def _unclaim(self, keys: Iterable[ExpertKey], order: int) -> None:
+        for key in keys:
+            orders = self.claims.get(key)
+            if orders is not None and order in orders:
+                orders.remove(order)
+                if not orders:
+                    del self.claims[key]
+
+    def _victims(self, n: int, *, needed_at: NextUse | None, now: float) -> list[_Entry]:
+        """The n entries the real cache (SlotTable.victim) would evict one after another (scores
+        do not change between): unclaimed by score, then claimed ones needed after `needed_at`
+        (any, if None), the one needed last first."""
         if n <= 0:
             return []
-        claims = self.claims
+        claimed: list[tuple[NextUse, _Entry]] = []  # the last resort
         chosen: list[_Entry] = []
-        claimed: list[_Entry] = []  # the last resort, in the same order
         for _, _, e in heapq.merge(*(self._ordered(layer) for layer in self._by_layer)):
             if e.ready_at > now or e.pins:
                 continue
-            if e.key in claims:
-                if allow_claimed and len(claimed) < n:
-                    claimed.append(e)
-                continue
-            chosen.append(e)
-            if len(chosen) == n:
-                return chosen
-        return chosen + claimed[: n - len(chosen)]
+            use = self.next_use(e.key)
+            if use is None:
+                chosen.append(e)
+                if len(chosen) == n:
+                    return chosen
+            elif needed_at is None or use > needed_at:
+                claimed.append((use, e))
+        claimed.sort(key=lambda c: (-c[0][0], -c[0][1], c[1].seq))
+        return chosen + [e for _, e in claimed[: n - len(chosen)]]
 
     def _ordered(self, layer: int) -> list[tuple[tuple, int, _Entry]]:
         """The layer's entries by (score, insertion): kept until the layer is observed or changes."""
@@ -201,36 +248,55 @@ class SimCache:
         if entry.prefetched:
             self.counters.prefetch_waste_bytes += entry.nbytes
 
-    def _prefetch_slot(self, now: float) -> bool:
+    def _prefetch_slot(self, now: float, needed_at: NextUse) -> bool:
         if self._free() > 0:
             return True
-        if self._lane_victims is None:
-            self._lane_victims = self._victims(len(self._queue) + 1, allow_claimed=False, now=now)[::-1]
+        if self._lane_victims is None:  # the unclaimed ones first, in the order they go (until pins or claims change)
+            self._lane_victims = self._victims(len(self.wanted.keys), needed_at=_NEVER, now=now)[::-1]
         while self._lane_victims:
             victim = self._lane_victims.pop()
             if self.table.get(victim.key) is victim and victim.key not in self.claims and victim.pins == 0:
                 self._evict(victim)
                 return True
-        return False
+        victims = self._victims(1, needed_at=needed_at, now=now)  # a claimed one needed after this key
+        if victims:
+            self._evict(victims[0])
+        return bool(victims)
+
+    def _soonest_wanted(self) -> tuple[ExpertKey, NextUse] | None:
+        dropped = self.wanted.dropped
+        soonest = self.wanted.soonest(self.next_use, self.table)
+        self.counters.prefetch_dropped += self.wanted.dropped - dropped
+        return soonest
 
     def _run_lane(self, *, until: float, needed: list[_Entry] | None = None) -> None:
-        """Run copy jobs in priority order: those that start by `until`, or until `needed` are all scheduled."""
-        while self._queue:
-            if needed is not None:
-                if all(e.ready_at < math.inf for e in needed):
-                    return
-            elif max(self._link_free_at, self._queue[0][2].requested_at) > until:
+        """Run copies, on-demand first, else the wanted key needed soonest: those that start by
+        `until`, or until `needed` are all scheduled."""
+        while True:
+            if needed is not None and all(e.ready_at < math.inf for e in needed):
                 return
-            priority, _, job = heapq.heappop(self._queue)
-            start = max(self._link_free_at, job.requested_at)
-            entry = job.reserved
-            if entry is None:  # route-ahead: like the lane's _prefetch_job
-                if job.key in self.table:  # claimed at prefetch; another copy brought it
+            if self._queue:
+                start = max(self._link_free_at, self._queue[0].requested_at)
+                if needed is None and start > until:
+                    return
+                entry = self._queue.popleft().reserved
+            else:
+                soonest = None if self._parked else self._soonest_wanted()
+                if soonest is None:
+                    return
+                key, use = soonest
+                start = max(self._link_free_at, self.wanted.keys[key][1])
+                if needed is None and start > until:
+                    return
+                if not self._prefetch_slot(start, use):
+                    if self.claims_per_layer:  # that cache dropped what it could not fit
+                        self.counters.prefetch_dropped += 1
+                        self.wanted.take(key)
+                    else:
+                        self._parked = True  # until pins or claims change
                     continue
-                if not self._prefetch_slot(start):
-                    self.counters.prefetch_dropped += 1
-                    continue
-                entry = self._add(_Entry(job.key, self.byte_map[job.key], prefetched=True))
+                self.wanted.take(key)
+                entry = self._add(_Entry(key, self.byte_map[key], prefetched=True))
                 self.counters.prefetch_bytes += entry.nbytes
             entry.ready_at = self._link_free_at = start + entry.nbytes / self.rate
             self.counters.link_busy_s += entry.nbytes / self.rate

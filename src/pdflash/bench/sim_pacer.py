@@ -179,7 +179,7 @@ class SimPacer:
             seconds = costs.mixed_s(tokens, len(batch), prompt_tokens, len(riders), experts, offloaded=offloaded)
         else:
             seconds = costs.verify_s(tokens, len(batch), experts, offloaded=offloaded)
-        yield from self.sim.forward(unions, *seconds)
+        yield from self.sim.forward(unions, *seconds, claims=[q.claim for q in batch if q.claim is not None])
 
     def _verified(self, batch: list[SimRequest], riders: list[SimRequest], launched: float, exposed: float) -> None:
         """As VerifyPacer._verify: finish the demands, teach the planner (a forward that also

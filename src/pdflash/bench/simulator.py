@@ -24,7 +24,7 @@ from pdflash.bench.configs import BenchConfig
 from pdflash.bench.costs import CostModel
 from pdflash.bench.metrics import RequestRecord, Traffic
 from pdflash.bench.routing import Round, RoutingSource
-from pdflash.bench.sim_cache import SimCache, SimulationError
+from pdflash.bench.sim_cache import SimCache, SimClaim, SimulationError
 from pdflash.bench.sim_events import Clock, Job, SimBatchLane, SimLane
 from pdflash.bench.sim_pacer import SimPacer
 from pdflash.engine.config import EngineConfig
@@ -83,7 +83,7 @@ class SimRequest:
     pending: Round | None = None  # the drafted round awaiting its verify
     resident: frozenset[ExpertKey] = frozenset()  # resident when it was drafted
     ticket: Ticket | None = None
-    claim: tuple[ExpertKey, ...] | None = None  # its route-ahead prefetch's claim
+    claim: SimClaim | None = None  # its route-ahead prefetch's claim
     drafted_at: float = 0.0
     times: list[float] = attrs.Factory(list)
     tokens: list[int] = attrs.Factory(list)
@@ -202,10 +202,12 @@ class Simulator:
         self.pacer.changed()  # one fewer sequence a gathering launch may wait for
 
     # -- forwards (lane jobs) --
-    def forward(self, unions: Sequence[frozenset[ExpertKey]], dense_s: float, expert_s: float) -> Job:
+    def forward(
+        self, unions: Sequence[frozenset[ExpertKey]], dense_s: float, expert_s: float, claims: Sequence[SimClaim] = ()
+    ) -> Job:
         """A target forward layer by layer: attention and routing, then the MoE block, which asks
         for its missing experts and computes in waves as they land (the last wave after the last
-        copy), as OffloadedExperts.waves serves a forward."""
+        copy), as OffloadedExperts.waves serves a forward; a verify's `claims` end layer by layer."""
         if self.cache is None:
             yield self.now + dense_s + expert_s
             return
@@ -222,6 +224,7 @@ class Simulator:
             self.cache.counters.exposed_fetch_s += done - self.now - expert_l
             yield done
             self.cache.unpin(held)
+            self.cache.pass_layer(layer, claims)
 
     def prefill_unions(self, batch: list[SimRequest]) -> list[frozenset[ExpertKey]]:
         return [self.s.routing.prefill_union(q.route, q.prompt_tokens) for q in batch]

@@ -10,6 +10,7 @@ Must not touch scheduling or serving.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +40,7 @@ class OffloadProvider(Protocol):
 
     def prefetch(self, union: frozenset[ExpertKey]) -> Any: ...  # queue route-ahead fetches, claim them; never blocks
     def release(self, claim: Any) -> None: ...  # the claims of one prefetch, once its verify ran
+    def forward_of(self, claims: list[Any]) -> AbstractContextManager[None]: ...  # the forward verifying them
     def resident(self) -> frozenset[ExpertKey]: ...
     def copy_intervals(self) -> list[tuple[float, float]]: ...  # recent (start, end) of its copies
     def watch_busy(self, clock: BusyClock) -> None: ...  # count the time its copies run into `clock`

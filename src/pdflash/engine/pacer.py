@@ -22,8 +22,8 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Mapping, Set
-from typing import Any
+from collections.abc import Callable, Mapping, Set
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -45,6 +45,7 @@ from pdflash.spec.speculator import Speculator
 from pdflash.target.experts import ExpertKey
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 TICK_TIMES = 4096  # tick start times remembered (tests and stats)
 
 
@@ -259,8 +260,8 @@ class VerifyPacer:
         snapshots = [session.snapshot() for session in sessions if session is not None] if together else []
         try:
             if ride is None:
-                return list(await self.lane.run(self.speculator.verify_rounds, sessions))
-            verified, begun = await self.lane.run(self.work.verify_and_begin, sessions, riders)
+                return list(await self.lane.run(self._passing(batch, self.speculator.verify_rounds), sessions))
+            verified, begun = await self.lane.run(self._passing(batch, self.work.verify_and_begin), sessions, riders)
             self.stats.prefills_in_verifies += len(riders)
             ride.finish(begun)
             return list(verified)
@@ -290,6 +291,20 @@ class VerifyPacer:
             except Exception as error:
                 outcomes.append(error)
         return outcomes
+
+    def _passing(self, batch: list[Sequence], forward: Callable[..., T]) -> Callable[..., T]:
+        """`forward` run as the verify of `batch`'s claims: the cache ends each layer's claims as
+        the forward leaves it, so the fetches for what comes next may use those slots."""
+        claims = [s.claim for s in batch if s.claim is not None]
+        if self.provider is None or not claims:
+            return forward
+        provider = self.provider
+
+        def passing(*args: Any) -> T:
+            with provider.forward_of(claims):
+                return forward(*args)
+
+        return passing
 
     def _drafted_s(self) -> float:
         return self.drafts.busy_s

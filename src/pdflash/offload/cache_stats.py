@@ -56,7 +56,7 @@ class OffloadStats:
     prefetch_requests: int  # prefetch keys queued (not resident when asked)
     prefetch_fetches: int  # of those, fetched
     prefetch_bytes: int  # byte-map bytes fetched by prefetches
-    prefetch_dropped: int  # no slot could be freed for them without evicting pinned or claimed experts
+    prefetch_dropped: int  # wanted keys whose claims all ended before a slot could be freed for them
     claimed_experts: int  # experts some unreleased prefetch claim keeps
     prefetch_coverage: float  # bytes: first uses of prefetched experts / (those + misses)
     prefetch_waste_bytes: int  # prefetched bytes evicted before any forward used them

@@ -15,7 +15,9 @@ differs from the stored one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -32,7 +34,7 @@ from pdflash.offload.gpt_oss_store import GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpertStore
 from pdflash.offload.link import Link, measure_bytes_per_s
 from pdflash.offload.prefetch import PrefetchLane, Priority
-from pdflash.offload.slot_table import Entry, EntryState, ResidentKeys, SlotTable
+from pdflash.offload.slot_table import Entry, EntryState, NextUse, ResidentKeys, SlotTable, WantedKeys
 from pdflash.target.config import ModelConfig
 from pdflash.target.experts import ExpertKey
 from pdflash.target.gpt_oss_config import GptOssConfig
@@ -47,10 +49,13 @@ class ExpertFetchError(RuntimeError):
 @attrs.define(eq=False)
 class ExpertClaim:
     """What one route-ahead prefetch asked the cache to keep: its keys stay claimed (no prefetch
-    evicts them) until `OffloadedExperts.release(claim)`, once the verify that needs them ran."""
+    for a later need evicts them) until its forward has passed their layer (`forward_of`) or
+    `OffloadedExperts.release(claim)`, once the verify that needs them ran."""
 
     keys: tuple[ExpertKey, ...]  # every key of the prefetched union, resident or queued
     queued: int  # keys not resident when asked: fetches queued on the lane
+    order: int  # claims are numbered as they come: the order their verifies run in
+    passed: set[int] = attrs.Factory(set)  # layers its forward has computed (no longer claimed)
     released: bool = False  # given back (set by release, under the cache's lock)
 
 
@@ -90,6 +95,10 @@ class OffloadedExperts:
         self._readers: dict[int, dict[torch.cuda.Stream, torch.cuda.Event]] = {}
         self._counters = Counters()
         self._closed = False
+        self._claim_orders = itertools.count()
+        self._wanted = WantedKeys()  # claimed, not resident: fetched one at a time, the soonest needed first
+        self._fetch_queued = False  # a `_fetch_next` job is on the lane
+        self._forward = threading.local()  # .claims: those of the forward running on this thread
         self.lane = PrefetchLane(self.device)
         if self.link.label == "device":
             self.link.measured_bytes_per_s = self._measure_link()
@@ -116,6 +125,7 @@ class OffloadedExperts:
         finally:
             with self._cond:
                 self._unpin(held)
+                self._pass(layer)
 
     def resident(self) -> ResidentKeys:
         """Keys resident in the arena or being copied into it now (queued prefetches excluded),
@@ -125,10 +135,13 @@ class OffloadedExperts:
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, union: Iterable[ExpertKey], priority: Priority = Priority.ROUTE_AHEAD) -> ExpertClaim:
-        """Queue fetches of the keys of `union` not resident, earliest layer first, and claim them all.
+        """Claim every key of `union` and queue fetches of those not resident.
 
-        Claimed keys are not evicted by any prefetch until `release(claim)` (a forward's own
-        misses still may evict them, last among candidates), so the verify that asked finds them.
+        The lane fetches queued keys one at a time, the one a claimed forward needs soonest first
+        (claim order, then layer), each into a slot whose expert is unclaimed or needed later;
+        when there is none, the key waits until a forward moves on or a claim ends. Claimed keys
+        are not evicted for a later need (a forward's own misses still may evict them, those
+        needed last first), so the verify that asked finds them.
         """
         if priority is Priority.ON_DEMAND:
             raise ValueError("prefetch priority must be ROUTE_AHEAD or BACKGROUND; ON_DEMAND is a forward's own")
@@ -138,15 +151,18 @@ class OffloadedExperts:
             raise ValueError(
                 f"prefetch of unknown experts {unknown[:5]}; keys are (MoE layer, expert < {self.num_experts})"
             )
-        queued, requested_at = 0, time.perf_counter()
         with self._cond:
-            self._slots.claim(keys)
+            claim = ExpertClaim(keys=keys, queued=0, order=next(self._claim_orders))
+            self._slots.claim(keys, claim.order)
             for key in keys:
                 if key not in self._slots.entries:
-                    self.lane.submit(priority, functools.partial(self._prefetch_job, key, requested_at))
-                    queued += 1
-            self._counters.prefetch_requests += queued
-        return ExpertClaim(keys=keys, queued=queued)
+                    use = self._slots.next_use(key)
+                    assert use is not None
+                    self._wanted.add(key, priority, time.perf_counter(), use)
+                    claim.queued += 1
+            self._counters.prefetch_requests += claim.queued
+            self._kick()
+        return claim
 
     def release(self, claim: ExpertClaim) -> None:
         """Give back a prefetch's claims (its verify ran, or its sequence left); idempotent per claim."""
@@ -154,8 +170,20 @@ class OffloadedExperts:
             if claim.released:
                 return
             claim.released = True
-            self._slots.unclaim(claim.keys)
+            self._slots.unclaim([k for k in claim.keys if k[0] not in claim.passed], claim.order)
+            self._kick()
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def forward_of(self, claims: Iterable[ExpertClaim]) -> Iterator[None]:
+        """Inside, the forward run on this thread is the verify of `claims`: as it leaves each
+        layer, their keys of that layer are claimed no longer, so fetches for what comes after
+        may take those slots."""
+        self._forward.claims = tuple(claims)
+        try:
+            yield
+        finally:
+            self._forward.claims = ()
 
     # -- stats ---------------------------------------------------------------------------------
     @property
@@ -270,7 +298,7 @@ class OffloadedExperts:
         reserved: list[Entry] = []
         requested_at = time.perf_counter()
         for expert in missing:
-            slot = None if self._closed else self._take_slot(allow_claimed=True)
+            slot = None if self._closed else self._take_slot(needed_at=None)
             if slot is None:
                 break
             key = (layer, expert)
@@ -284,6 +312,14 @@ class OffloadedExperts:
         held += reserved
         pending[:] = missing[len(reserved) :]
 
+    def _pass(self, layer: int) -> None:
+        """The forward on this thread has computed `layer`: its claims there end."""
+        for claim in getattr(self._forward, "claims", ()):
+            if not claim.released and layer not in claim.passed:
+                claim.passed.add(layer)
+                self._slots.unclaim([k for k in claim.keys if k[0] == layer], claim.order)
+        self._kick()
+
     def _unpin(self, entries: list[Entry]) -> None:
         for entry in entries:
             entry.pins -= 1
@@ -292,17 +328,19 @@ class OffloadedExperts:
                 done = torch.cuda.Event()
                 done.record(stream)
                 self._readers.setdefault(entry.slot, {})[stream] = done
+        self._kick()
         self._cond.notify_all()
 
     def _as_wave(self, entries: list[Entry]) -> Any:
         return self.arena.wave(self.num_experts, [e.key[1] for e in entries], [e.slot for e in entries])
 
     # -- slots (under the lock) ----------------------------------------------------------------
-    def _take_slot(self, *, allow_claimed: bool) -> int | None:
-        """A free slot, else one freed by evicting the policy's choice among unpinned ready experts."""
+    def _take_slot(self, *, needed_at: NextUse | None) -> int | None:
+        """A free slot, else one freed by evicting the table's choice among unpinned ready experts
+        (for a fetch `needed_at` a claimed forward's (order, layer): only those needed later)."""
         slot = self._slots.take_free()
         if slot is None:
-            victim = self._slots.victim(self.policy.score, allow_claimed=allow_claimed)
+            victim = self._slots.victim(self.policy.score, needed_at=needed_at)
             if victim is None:
                 return None
             self._forget(victim)
@@ -324,22 +362,43 @@ class OffloadedExperts:
         self._cond.notify_all()
 
     # -- lane side (runs on the prefetch lane's thread) ----------------------------------------
-    def _prefetch_job(self, key: ExpertKey, requested_at: float) -> None:
+    def _kick(self) -> None:
+        """Under the lock: put a `_fetch_next` on the lane if keys wait and none is there."""
+        if self._wanted.keys and not self._fetch_queued and not self._closed:
+            self._fetch_queued = True
+            self.lane.submit(Priority.ROUTE_AHEAD, self._fetch_next)  # after on-demand copies; it picks by priority
+
+    def _fetch_next(self) -> None:
+        """Fetch the wanted key needed soonest, if a slot can be had for it; then the next."""
         with self._cond:
-            if self._closed:
-                return
-            if key in self._slots.entries:
-                return
-            slot = self._take_slot(allow_claimed=False)
-            if slot is None:
-                self._counters.prefetch_dropped += 1
-                return
-            entry = Entry(key=key, slot=slot, nbytes=self.store.nbytes(key), requested_at=requested_at, prefetched=True)
-            self._slots.add(entry)
-        if self._load(entry):
+            self._fetch_queued = False
+            entry = None if self._closed else self._reserve_wanted()
+        if entry is not None and self._load(entry):
             with self._cond:
                 self._counters.prefetch_fetches += 1
                 self._counters.prefetch_bytes += entry.nbytes
+        with self._cond:
+            if entry is not None:
+                self._kick()
+
+    def _reserve_wanted(self) -> Entry | None:
+        """Under the lock: a slot reserved for the wanted key needed soonest; None when no slot
+        can be freed for it (a forward moving on or a claim ending kicks the lane again)."""
+        dropped = self._wanted.dropped
+        soonest = self._wanted.soonest(self._slots.next_use, self._slots.entries)
+        self._counters.prefetch_dropped += self._wanted.dropped - dropped  # claims ended before a slot was had
+        if soonest is None:
+            return None
+        key, use = soonest
+        slot = self._take_slot(needed_at=use)
+        if slot is None:
+            return None
+        self._wanted.take(key)
+        entry = Entry(
+            key=key, slot=slot, nbytes=self.store.nbytes(key), requested_at=time.perf_counter(), prefetched=True
+        )
+        self._slots.add(entry)
+        return entry
 
     def _load_all(self, entries: list[Entry]) -> None:
         for entry in entries:

@@ -2,8 +2,9 @@
 
 Owns the entries (an expert's slot, its fetch state, pins and whether a prefetch brought it
 in), the free slots, the prefetch claims (key -> unreleased claims on it), and the choice
-of a victim when no slot is free: among ready, unpinned entries, unclaimed before claimed,
-then the eviction policy's lowest score, and the resident keys as a bitmask kept as they come
+of a victim when no slot is free: among ready, unpinned entries, unclaimed ones by the
+eviction policy's lowest score, then claimed ones needed last (Belady's choice over the
+claims' known order), and the resident keys as a bitmask kept as they come
 and go (read through `ResidentKeys` snapshots). Not thread-safe: the cache (`device_cache`) calls it under
 its own lock, and does the counting and the waiting.
 """
@@ -11,12 +12,15 @@ its own lock, and does the counting and the waiting.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+import heapq
+from collections.abc import Callable, Container, Iterable
 
 import attrs
 import torch
 
 from pdflash.target.experts import ExpertKey
+
+NextUse = tuple[int, int]  # (claim order, layer): when a claimed forward first needs an expert
 
 
 class EntryState(enum.Enum):
@@ -61,7 +65,7 @@ class SlotTable:
         self.entries: dict[ExpertKey, Entry] = {}
         self.experts_per_layer = experts_per_layer
         self._mask = 0  # the keys of `entries`, bit layer * experts_per_layer + expert
-        self.claims: dict[ExpertKey, int] = {}  # key -> unreleased claims on it
+        self.claims: dict[ExpertKey, list[int]] = {}  # key -> the orders of its unreleased claims, ascending
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -69,12 +73,23 @@ class SlotTable:
         """Slots holding an entry (reserved or ready)."""
         return self.num_slots - len(self._free)
 
-    def claim(self, keys: Iterable[ExpertKey]) -> None:
+    def claim(self, keys: Iterable[ExpertKey], order: int) -> None:
+        """Claims numbered in the order their forwards will run (`order` grows from call to call)."""
         for key in keys:
-            self.claims[key] = self.claims.get(key, 0) + 1
+            self.claims.setdefault(key, []).append(order)
 
-    def unclaim(self, keys: Iterable[ExpertKey]) -> None:
-        drop_claims(self.claims, keys)
+    def unclaim(self, keys: Iterable[ExpertKey], order: int) -> None:
+        for key in keys:
+            orders = self.claims.get(key)
+            if orders is not None and order in orders:
+                orders.remove(order)
+                if not orders:
+                    del self.claims[key]
+
+    def next_use(self, key: ExpertKey) -> NextUse | None:
+        """When a claimed forward needs `key` first: (its claim's order, the key's layer); None if unclaimed."""
+        orders = self.claims.get(key)
+        return (orders[0], key[0]) if orders else None
 
     def add(self, entry: Entry) -> None:
         bit = self._bit(entry.key)
@@ -85,15 +100,26 @@ class SlotTable:
         """The keys of every entry now (reserved or ready)."""
         return ResidentKeys(self.entries, self._mask, self.experts_per_layer)
 
-    def victim(self, score: Callable[[ExpertKey], tuple], *, allow_claimed: bool) -> Entry | None:
-        """The entry to evict for a slot: ready, unpinned (and unclaimed unless `allow_claimed`),
-        unclaimed ones first, then the lowest `score`; None if no entry may go."""
-        candidates = [
-            e
-            for e in self.entries.values()
-            if e.state is EntryState.READY and e.pins == 0 and (allow_claimed or e.key not in self.claims)
-        ]
-        return min(candidates, key=lambda e: (e.key in self.claims, score(e.key)), default=None)
+    def victim(self, score: Callable[[ExpertKey], tuple], *, needed_at: NextUse | None) -> Entry | None:
+        """The entry to evict for a slot: ready and unpinned; unclaimed ones first, by the lowest
+        `score`, then claimed ones, the one needed last first. For a fetch `needed_at` a claimed
+        forward's (order, layer), only entries needed after it may go; None (a forward's own
+        miss, needed now): any. None if no entry may go."""
+        best: Entry | None = None
+        best_rank: tuple = ()
+        for e in self.entries.values():
+            if e.state is not EntryState.READY or e.pins:
+                continue
+            use = self.next_use(e.key)
+            if use is None:
+                rank: tuple = (0, score(e.key))
+            elif needed_at is None or use > needed_at:
+                rank = (1, -use[0], -use[1])
+            else:
+                continue
+            if best is None or rank < best_rank:
+                best, best_rank = e, rank
+        return best
 
     def take_free(self) -> int | None:
         return self._free.pop() if self._free else None
@@ -111,11 +137,46 @@ class SlotTable:
         return 1 << (layer * self.experts_per_layer + expert)
 
 
-def drop_claims(claims: dict[ExpertKey, int], keys: Iterable[ExpertKey]) -> None:
-    """One claim fewer on each of `keys` (key -> unreleased claims); a key at none leaves `claims`."""
-    for key in keys:
-        left = claims.get(key, 0) - 1
-        if left > 0:
-            claims[key] = left
-        else:
-            claims.pop(key, None)
+class WantedKeys:
+    """Claimed keys not yet resident, handed out the one a claimed forward needs soonest first
+    (lower priority value first, then (claim order, layer)). A key's need only moves later
+    (claims are numbered as they come and end oldest-first per key), so a heap with its entries
+    re-checked when they surface keeps each hand-out O(log n)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[ExpertKey, tuple[int, float]] = {}  # key -> (priority, perf_counter/virtual time asked)
+        self._heap: list[tuple[int, NextUse, ExpertKey]] = []
+        self.dropped = 0  # keys whose claims all ended before they were handed out
+
+    def add(self, key: ExpertKey, priority: int, requested_at: float, use: NextUse) -> None:
+        known = self.keys.get(key)
+        if known is None or priority < known[0]:
+            self.keys[key] = (priority, known[1] if known is not None else requested_at)
+            heapq.heappush(self._heap, (priority, use, key))
+
+    def soonest(
+        self, next_use: Callable[[ExpertKey], NextUse | None], resident: Container[ExpertKey]
+    ) -> tuple[ExpertKey, NextUse] | None:
+        """The key to fetch next and its need, left wanted until `take`; keys resident meanwhile
+        leave, and keys no longer claimed leave as dropped."""
+        heap = self._heap
+        while heap:
+            priority, use, key = heap[0]
+            known = self.keys.get(key)
+            if known is None or known[0] != priority:  # taken, or re-added at a higher priority
+                heapq.heappop(heap)
+                continue
+            now = next_use(key)
+            if key in resident or now is None:
+                heapq.heappop(heap)
+                del self.keys[key]
+                self.dropped += key not in resident
+                continue
+            if now != use:
+                heapq.heapreplace(heap, (priority, now, key))
+                continue
+            return key, use
+        return None
+
+    def take(self, key: ExpertKey) -> None:
+        del self.keys[key]
