@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdflash.offload.slot_table import Entry, EntryState, SlotTable, WantedKeys
+from pdflash.offload.slot_table import PASSED, Entry, EntryState, SlotTable, WantedKeys, pass_claims
 
 
 def test_victims_are_unclaimed_first_then_the_claimed_needed_last():
@@ -59,3 +59,26 @@ def test_wanted_keys_come_soonest_needed_first_and_leave_when_resident_or_unclai
     assert wanted.keys[(0, 9)] == (1, 0.0) and wanted.soonest(next_use, resident) == ((0, 9), (0, 0))
     wanted.take((0, 9))
     assert wanted.soonest(next_use, resident) is None and not wanted.keys
+
+
+def test_a_passed_layer_is_needed_after_every_claim_ahead_and_before_cold_experts_go():
+    table = SlotTable(3, experts_per_layer=8)
+    for key in [(0, 0), (0, 1), (1, 0)]:
+        slot = table.take_free()
+        assert slot is not None
+        table.add(Entry(key=key, slot=slot, nbytes=1, requested_at=0.0, state=EntryState.READY))
+    table.claim([(0, 0), (1, 0)], order=0)
+    table.claim([(1, 0)], order=1)
+    pass_claims(table.claims, [(0, 0)], order=0)  # claim 0's forward left layer 0
+    assert table.next_use((0, 0)) == (PASSED, 0) and table.next_use((1, 0)) == (0, 1)
+
+    def victim(needed_at):
+        chosen = table.victim(lambda key: (0,), needed_at=needed_at)
+        return chosen.key if chosen is not None else None
+
+    assert victim((1, 1)) == (0, 1)  # the cold, unclaimed expert goes first
+    table.entries[(0, 1)].pins = 1
+    assert victim((1, 1)) == (0, 0)  # then the passed one: needed after every claim ahead
+    assert victim((PASSED, 0)) is None
+    table.unclaim([(0, 0)], order=PASSED)  # claim 0 released: its passed keys are unclaimed
+    assert table.next_use((0, 0)) is None and (1, 0) in table.claims

@@ -2,7 +2,8 @@
 
 Mirrors `pdflash.offload.device_cache` without tensors or threads: a table of experts in
 slots, pins held by the layer a forward is running, numbered claims held by route-ahead
-prefetches until their verify's forward passed the layer or their verify ran (`release`), and
+prefetches (stepping back once their verify's forward passed the layer) until their verify
+ran (`release`), and
 the REAL eviction policy (`make_policy`) choosing among unpinned ready experts (unclaimed by
 lowest score, then the claimed needed last). One serial copy engine runs on-demand copies
 first, else the claimed key needed soonest (waiting while no slot can be freed for it), each
@@ -24,7 +25,7 @@ import attrs
 from pdflash.offload.cache_stats import Counters
 from pdflash.offload.eviction import make_policy
 from pdflash.offload.prefetch import Priority
-from pdflash.offload.slot_table import NextUse, WantedKeys
+from pdflash.offload.slot_table import PASSED, NextUse, WantedKeys, add_claims, drop_claims, next_use, pass_claims
 from pdflash.target.experts import ExpertKey
 
 _NEVER: NextUse = (sys.maxsize, sys.maxsize)  # no claimed forward needs an expert after this
@@ -103,8 +104,8 @@ class SimCache:
         """Claim every key of the union and want the missing ones, as OffloadedExperts.prefetch
         does; returns the claim, for `pass_layer` and `release`."""
         claim = SimClaim(tuple(sorted(set(union))), next(self._claim_orders))
+        add_claims(self.claims, claim.keys, claim.order)
         for key in claim.keys:
-            self.claims.setdefault(key, []).append(claim.order)
             if key not in self.table:
                 use = self.next_use(key)
                 assert use is not None
@@ -113,20 +114,21 @@ class SimCache:
         return claim
 
     def pass_layer(self, layer: int, claims: Iterable[SimClaim]) -> None:
-        """The verify of `claims` has computed `layer`: their claims there end (forward_of)."""
+        """The verify of `claims` has computed `layer`: their claims there step back (forward_of)."""
         if self.claims_per_layer:
             return
         for claim in claims:
             if layer not in claim.passed:
                 claim.passed.add(layer)
-                self._unclaim([k for k in claim.keys if k[0] == layer], claim.order)
+                pass_claims(self.claims, [k for k in claim.keys if k[0] == layer], claim.order)
         self._changed()
 
     def release(self, claim: SimClaim) -> None:
         """Give back one prefetch's claims (per-layer claims ended when the forward reached them)."""
         if self.claims_per_layer:
             return
-        self._unclaim([k for k in claim.keys if k[0] not in claim.passed], claim.order)
+        drop_claims(self.claims, [k for k in claim.keys if k[0] not in claim.passed], claim.order)
+        drop_claims(self.claims, [k for k in claim.keys if k[0] in claim.passed], claim.order + PASSED)
         self._changed()
 
     # -- a forward's layer --
@@ -176,8 +178,7 @@ class SimCache:
         self._changed()
 
     def next_use(self, key: ExpertKey) -> NextUse | None:
-        orders = self.claims.get(key)
-        return (orders[0], key[0]) if orders else None
+        return next_use(self.claims, key)
 
     # -- internals --
     def _free(self) -> int:
@@ -187,14 +188,6 @@ class SimCache:
         """Pins or claims changed: victims are chosen anew, and a waiting key may find a slot."""
         self._lane_victims = None
         self._parked = False
-
-    def _unclaim(self, keys: Iterable[ExpertKey], order: int) -> None:
-        for key in keys:
-            orders = self.claims.get(key)
-            if orders is not None and order in orders:
-                orders.remove(order)
-                if not orders:
-                    del self.claims[key]
 
     def _victims(self, n: int, *, needed_at: NextUse | None, now: float) -> list[_Entry]:
         """The n entries the real cache (SlotTable.victim) would evict one after another (scores

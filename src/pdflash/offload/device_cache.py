@@ -34,7 +34,16 @@ from pdflash.offload.gpt_oss_store import GptOssHostExpertStore
 from pdflash.offload.host_store import HostExpertStore
 from pdflash.offload.link import Link, measure_bytes_per_s
 from pdflash.offload.prefetch import PrefetchLane, Priority
-from pdflash.offload.slot_table import Entry, EntryState, NextUse, ResidentKeys, SlotTable, WantedKeys
+from pdflash.offload.slot_table import (
+    PASSED,
+    Entry,
+    EntryState,
+    NextUse,
+    ResidentKeys,
+    SlotTable,
+    WantedKeys,
+    pass_claims,
+)
 from pdflash.target.config import ModelConfig
 from pdflash.target.experts import ExpertKey
 from pdflash.target.gpt_oss_config import GptOssConfig
@@ -49,13 +58,14 @@ class ExpertFetchError(RuntimeError):
 @attrs.define(eq=False)
 class ExpertClaim:
     """What one route-ahead prefetch asked the cache to keep: its keys stay claimed (no prefetch
-    for a later need evicts them) until its forward has passed their layer (`forward_of`) or
-    `OffloadedExperts.release(claim)`, once the verify that needs them ran."""
+    for a later need evicts them); once its forward has passed their layer (`forward_of`) they
+    are needed after every claim ahead, until `OffloadedExperts.release(claim)`, once the
+    verify that needs them ran."""
 
     keys: tuple[ExpertKey, ...]  # every key of the prefetched union, resident or queued
     queued: int  # keys not resident when asked: fetches queued on the lane
     order: int  # claims are numbered as they come: the order their verifies run in
-    passed: set[int] = attrs.Factory(set)  # layers its forward has computed (no longer claimed)
+    passed: set[int] = attrs.Factory(set)  # layers its forward has computed (their keys at order + PASSED)
     released: bool = False  # given back (set by release, under the cache's lock)
 
 
@@ -171,14 +181,15 @@ class OffloadedExperts:
                 return
             claim.released = True
             self._slots.unclaim([k for k in claim.keys if k[0] not in claim.passed], claim.order)
+            self._slots.unclaim([k for k in claim.keys if k[0] in claim.passed], claim.order + PASSED)
             self._kick()
             self._cond.notify_all()
 
     @contextlib.contextmanager
     def forward_of(self, claims: Iterable[ExpertClaim]) -> Iterator[None]:
         """Inside, the forward run on this thread is the verify of `claims`: as it leaves each
-        layer, their keys of that layer are claimed no longer, so fetches for what comes after
-        may take those slots."""
+        layer, their keys of that layer are needed after every claim ahead (slot_table.PASSED),
+        so fetches for what comes next may take those slots."""
         self._forward.claims = tuple(claims)
         try:
             yield
@@ -313,11 +324,11 @@ class OffloadedExperts:
         pending[:] = missing[len(reserved) :]
 
     def _pass(self, layer: int) -> None:
-        """The forward on this thread has computed `layer`: its claims there end."""
+        """The forward on this thread has computed `layer`: its claims there step back."""
         for claim in getattr(self._forward, "claims", ()):
             if not claim.released and layer not in claim.passed:
                 claim.passed.add(layer)
-                self._slots.unclaim([k for k in claim.keys if k[0] == layer], claim.order)
+                pass_claims(self._slots.claims, [k for k in claim.keys if k[0] == layer], claim.order)
         self._kick()
 
     def _unpin(self, entries: list[Entry]) -> None:

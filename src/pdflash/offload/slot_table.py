@@ -11,6 +11,7 @@ its own lock, and does the counting and the waiting.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import heapq
 from collections.abc import Callable, Container, Iterable
@@ -21,6 +22,10 @@ import torch
 from pdflash.target.experts import ExpertKey
 
 NextUse = tuple[int, int]  # (claim order, layer): when a claimed forward first needs an expert
+# A claim whose forward has passed a layer keeps that layer's keys at its order + PASSED: needed
+# after every claim still ahead (its sequences' next round is likely to route them again), so
+# fetches with a known need may take their slots, and cold unclaimed experts still go first.
+PASSED = 1 << 40
 
 
 class EntryState(enum.Enum):
@@ -75,21 +80,13 @@ class SlotTable:
 
     def claim(self, keys: Iterable[ExpertKey], order: int) -> None:
         """Claims numbered in the order their forwards will run (`order` grows from call to call)."""
-        for key in keys:
-            self.claims.setdefault(key, []).append(order)
+        add_claims(self.claims, keys, order)
 
     def unclaim(self, keys: Iterable[ExpertKey], order: int) -> None:
-        for key in keys:
-            orders = self.claims.get(key)
-            if orders is not None and order in orders:
-                orders.remove(order)
-                if not orders:
-                    del self.claims[key]
+        drop_claims(self.claims, keys, order)
 
     def next_use(self, key: ExpertKey) -> NextUse | None:
-        """When a claimed forward needs `key` first: (its claim's order, the key's layer); None if unclaimed."""
-        orders = self.claims.get(key)
-        return (orders[0], key[0]) if orders else None
+        return next_use(self.claims, key)
 
     def add(self, entry: Entry) -> None:
         bit = self._bit(entry.key)
@@ -135,6 +132,36 @@ class SlotTable:
         if not (0 <= expert < self.experts_per_layer and layer >= 0):
             raise ValueError(f"expert {key!r} is not a (layer >= 0, expert < {self.experts_per_layer}) pair")
         return 1 << (layer * self.experts_per_layer + expert)
+
+
+def add_claims(claims: dict[ExpertKey, list[int]], keys: Iterable[ExpertKey], order: int) -> None:
+    """One claim more on each of `keys` (key -> the orders of its claims, ascending)."""
+    for key in keys:
+        bisect.insort(claims.setdefault(key, []), order)
+
+
+def drop_claims(claims: dict[ExpertKey, list[int]], keys: Iterable[ExpertKey], order: int) -> None:
+    """The claim `order` ends on each of `keys`; a key with none left leaves `claims`."""
+    for key in keys:
+        orders = claims.get(key)
+        if orders is not None and order in orders:
+            orders.remove(order)
+            if not orders:
+                del claims[key]
+
+
+def pass_claims(claims: dict[ExpertKey, list[int]], keys: Iterable[ExpertKey], order: int) -> None:
+    """The forward of claim `order` has computed `keys`' layer: they are next needed after every
+    claim ahead (order + PASSED), until the claim is released."""
+    keys = list(keys)
+    drop_claims(claims, keys, order)
+    add_claims(claims, keys, order + PASSED)
+
+
+def next_use(claims: dict[ExpertKey, list[int]], key: ExpertKey) -> NextUse | None:
+    """When a claimed forward needs `key` first: (its claim's order, the key's layer); None if unclaimed."""
+    orders = claims.get(key)
+    return (orders[0], key[0]) if orders else None
 
 
 class WantedKeys:
