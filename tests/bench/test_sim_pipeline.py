@@ -180,3 +180,21 @@ def test_a_resident_sequence_that_accepts_every_draft_keeps_the_full_block():
     assert result.extra["block_decisions"] == {BLOCK: 6}
     assert result.tau == BLOCK
     assert result.bytes_per_token == 0
+
+
+@pytest.mark.parametrize("draft_s, link_s", [(0.004, 0.010), (0.010, 0.004)])
+def test_the_next_anchor_is_fetched_while_its_sequence_drafts(draft_s, link_s):
+    """One sequence whose every round routes one new expert, the one its anchor routes: after the
+    first round (its anchor came from the prefill, nothing claimed it), each verify's end claims
+    the next round's expert, so its copy runs beside the draft instead of after it."""
+    rounds, compute_s = 6, 0.003
+    setup = _setup(
+        "dflash-token",
+        Costs(draft=draft_s, verify_experts=compute_s),
+        RoundRouting(),
+        link_bytes_per_s=EXPERT_BYTES / link_s,
+    )
+    result = simulate_closed_loop(setup, [4], concurrency=1, requests_per_client=1, max_tokens=rounds + 1)
+    first = draft_s + link_s + compute_s
+    assert result.wall_s == pytest.approx(first + (rounds - 1) * (max(draft_s, link_s) + compute_s))
+    assert result.bytes_per_token * result.tokens == pytest.approx(rounds * EXPERT_BYTES)  # each expert once

@@ -85,12 +85,15 @@ class RecordingProvider:
     def __init__(self):
         self.prefetched, self.claims, self.made, self.forwarded = [], set(), [], []
 
-    def prefetch(self, union):
-        self.prefetched.append(union)
-        claim = Claim(union)
-        self.claims.add(claim)
-        self.made.append(claim)
-        return claim
+    def prefetch_launch(self, unions):
+        claims = []
+        for union in unions:
+            self.prefetched.append(union)
+            claim = Claim(union)
+            self.claims.add(claim)
+            self.made.append(claim)
+            claims.append(claim)
+        return claims
 
     def release(self, claim):
         self.claims.discard(claim)
@@ -170,6 +173,7 @@ class ScoredProjector:
     but the first at 0.5, and one expert outside it at 0.3."""
 
     name = "scored"
+    target_free = False
 
     def project(self, speculator, sessions, blocks):
         layers = speculator.target.config.moe_layer_ids

@@ -461,3 +461,69 @@ async def test_an_abort_while_a_prompt_rides_a_verify_releases_everything(loaded
     assert seated["ids"] == reference(PROMPTS[0], LONG)
     assert [o.finish_reason for o in outputs if o.finished] == ["abort"]
     assert (stats.aborted, stats.finished, stats.prefills_in_verifies) == (1, 1, 1)
+
+
+class LinkedProvider(RecordingProvider):
+    """The recording stand-in behind a link: each verify's sequences get their next anchors prefetched."""
+
+    link_bytes_per_s = 1e9
+
+
+class AfterAVerify(Gate):
+    """Holds the first drafter call made after a verify (a session with a round behind it)."""
+
+    def __call__(self, sessions, *args):
+        if sessions and sessions[0].trace and not self.go.is_set():
+            self.entered.set()
+            self.go.wait(20)
+        return self.fn(sessions, *args)
+
+
+def linked_engine(loaded, drafter, provider):
+    # fixed blocks, so every round drafts on the drafter lane; last-union never runs the target
+    spec = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes, projector="last-union")
+    return AsyncEngine(spec, loaded.tokenizer, EngineConfig(speculation="fixed", drafter_lane="own"), provider=provider)
+
+
+@pytest.mark.asyncio
+async def test_behind_a_link_a_verify_claims_its_sequences_next_anchors_until_their_round_ran(
+    loaded, drafter, reference
+):
+    provider = LinkedProvider()
+    engine = linked_engine(loaded, drafter, provider)
+    async with engine:
+        pacer = engine._running.pacer
+        real_claim, anchors = pacer._claim_next_anchors, []
+
+        def claim_next_anchors(batch, outcomes):  # what the end of each verify claims
+            real_claim(batch, outcomes)
+            anchors.extend(s.anchor_claim for s in batch if s.anchor_claim is not None)
+
+        pacer._claim_next_anchors = claim_next_anchors
+        results = await run_all(engine, [(p, LONG) for p in PROMPTS])
+        stats = await drained(engine)
+    assert [ids for ids, _, _ in results] == [reference(p, LONG) for p in PROMPTS]
+    assert stats.anchor_prefetches == len(anchors) > 0
+    # each anchor claim is passed by exactly one verify's forward (its round's), then released
+    forwarded = [claim for claims in provider.forwarded for claim in claims]
+    assert all(forwarded.count(claim) == 1 for claim in anchors)
+    assert stats.claimed_experts == 0 and not provider.claims
+
+
+@pytest.mark.asyncio
+async def test_an_abort_while_drafting_releases_the_next_anchor_s_claim(loaded, drafter, reference):
+    provider = LinkedProvider()
+    engine = linked_engine(loaded, drafter, provider)
+    async with engine:
+        gate = engine.speculator.draft_rounds = AfterAVerify(engine.speculator.draft_rounds)
+        doomed = engine.generate(PROMPTS[1], LONG, request_id="doomed")
+        await anyio.to_thread.run_sync(gate.entered.wait, 20)
+        held = engine._seqs["doomed"].anchor_claim
+        assert held is not None and held in provider.claims
+        await engine.abort("doomed")
+        gate.go.set()
+        _, _, last = await collect(doomed)
+        kept, _, _ = await collect(engine.generate(PROMPTS[0], GREEDY))
+        stats = await drained(engine)
+    assert last.finish_reason == "abort" and kept == reference(PROMPTS[0])
+    assert held not in provider.claims and stats.claimed_experts == 0 and not provider.claims

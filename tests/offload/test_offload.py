@@ -317,6 +317,26 @@ def test_a_forward_leaving_a_layer_gives_its_slots_to_the_keys_that_wait(store, 
     provider.close()
 
 
+def test_one_launch_s_claims_are_fetched_layer_by_layer_across_its_verifies(store, config):
+    """A batched verify computes every verify's layer l before any layer l + 1, so the claims of
+    one launch share a number: with room for half of two verifies' unions, the lane fetches
+    both verifies' first layers (one prefetch per verify would have fetched the first verify's
+    every layer before the second's first)."""
+    provider = provider_over(store, config, expert_cache_bytes=4 * 3 * 32 * 64 * 4)  # 4 slots
+    layers = config.moe_layer_ids
+    first, second = ([(layer, e) for layer in layers] for e in (0, 1))  # 4 keys each, one per layer
+    claims = provider.prefetch_launch([first, second])
+    assert [c.queued for c in claims] == [4, 4] and claims[0].order == claims[1].order
+    assert provider.lane.wait_idle(timeout=10)
+    assert provider.resident() == {(layer, e) for layer in layers[:2] for e in (0, 1)}
+    provider.close()
+    apart = provider_over(store, config, expert_cache_bytes=4 * 3 * 32 * 64 * 4)
+    for union in (first, second):
+        apart.prefetch(union)
+    assert apart.lane.wait_idle(timeout=10) and apart.resident() == set(first)
+    apart.close()
+
+
 def test_emulated_link_time_is_exposed_and_labelled(store, config):
     provider = provider_over(store, config, expert_cache_fraction=0.5, link_gbps=1.0, link_latency_s=0.01)
     list(provider.waves(0, [0, 1, 2]))

@@ -247,3 +247,40 @@ def test_train_drafter_writes_a_route_head_beside_an_unchanged_drafter(capsys, l
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", ROUTE_HEAD_FILE]
     load_drafter(out, loaded.model)  # the DFlash checkpoint loads as before
     RouteHead.load(route_head_path(out), loaded.model.config)
+
+
+def test_a_verify_projects_each_going_session_s_next_anchor_when_asked(loaded, drafter, head_and_data):
+    """With project_next_anchors, each verify result carries what the session's next anchor alone
+    projects to (the round of one token its next round starts with), before anything is drafted."""
+    head, _, _ = head_and_data
+    projector = make_projector("route-head", route_head=head)
+    spec = speculator(loaded, drafter, projector, block_size=4)
+    spec.project_next_anchors = True
+    params = [SamplingParams(max_tokens=n) for n in (2, 9, 9)]
+    sessions = spec.begin_sessions(list(zip(PROMPTS[:3], params)))
+    spec.draft_rounds(sessions, [4, 4, 1])
+    results = spec.verify_rounds(sessions)
+    for session, result in zip(sessions, results, strict=True):
+        if result.finished:
+            assert result.next_anchor is None
+            continue
+        assert result.accepted_ids[-1] == session.anchor  # the token the verify chose, not yet in the cache
+        (alone,) = projector.project(spec, [session], [torch.tensor([session.anchor])])
+        assert result.next_anchor is not None
+        assert result.next_anchor.union == alone.union  # batched with the others: the same matmul rows
+        assert result.next_anchor.probability == pytest.approx(alone.probability, abs=1e-5)
+    assert results[0].finished and not results[1].finished  # both kinds were checked
+
+
+def test_only_a_projector_that_never_runs_the_target_projects_anchors_beside_verifies(loaded, drafter):
+    spec = speculator(loaded, drafter, "router", block_size=4)
+    spec.project_next_anchors = True
+    sessions = spec.begin_sessions([(PROMPTS[1], SamplingParams(max_tokens=8))])
+    spec.draft_rounds(sessions)
+    with pytest.raises(ValueError, match="runs the target"):
+        spec.verify_rounds(sessions)
+    assert [make_projector(name, route_head=None).target_free for name in ("last-union", "router", "exact")] == [
+        True,
+        False,
+        False,
+    ]

@@ -104,7 +104,7 @@ def measure_ar_step_s(target: Path, prompts: Sequence[list[int]], tokens: int = 
     async def body() -> None:
         async with engine:
             for prompt in prompts:
-                records = await _one_request(engine, prompt, params)
+                records = await one_request(engine, prompt, params)
                 if records.tokens > 1:
                     steps.append((records.finished_s - records.first_token_s) / (records.tokens - 1))
 
@@ -177,7 +177,8 @@ def bundled_behind_link(
     return LinkedRun(plan=plan, scale=scale, pool=pool)
 
 
-async def _one_request(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> RequestRecord:
+async def one_request(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> RequestRecord:
+    """One request through `engine.generate`, its deltas timed as they arrive."""
     arrived = time.perf_counter()
     times, tokens, last = [], [], None
     async for out in engine.generate(prompt, params):
@@ -231,11 +232,11 @@ def run_point(
 
     async def closed(c: int) -> None:
         for r in range(requests_per_client):
-            records.append(await _one_request(engine, pool[(c * requests_per_client + r) % len(pool)], params))
+            records.append(await one_request(engine, pool[(c * requests_per_client + r) % len(pool)], params))
 
     async def opened(i: int, at: float, started: float) -> None:
         await anyio.sleep(max(0.0, started + at - time.perf_counter()))
-        records.append(await _one_request(engine, pool[i % len(pool)], params))
+        records.append(await one_request(engine, pool[i % len(pool)], params))
 
     async def body() -> tuple[float, Traffic]:
         async with engine:

@@ -18,7 +18,7 @@ import itertools
 import math
 import sys
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -100,18 +100,21 @@ class SimCache:
         return frozenset(self.table)
 
     # -- route-ahead prefetch --
-    def prefetch(self, union: Iterable[ExpertKey], now: float) -> SimClaim:
-        """Claim every key of the union and want the missing ones, as OffloadedExperts.prefetch
-        does; returns the claim, for `pass_layer` and `release`."""
-        claim = SimClaim(tuple(sorted(set(union))), next(self._claim_orders))
-        add_claims(self.claims, claim.keys, claim.order)
-        for key in claim.keys:
-            if key not in self.table:
-                use = self.next_use(key)
-                assert use is not None
-                self.wanted.add(key, Priority.ROUTE_AHEAD, now, use)
+    def prefetch_launch(self, unions: Sequence[Iterable[ExpertKey]], now: float) -> list[SimClaim]:
+        """One claim per verify of one batched forward, numbered alike, and the missing keys
+        wanted, as OffloadedExperts.prefetch_launch does; the claims are for `pass_layer` and
+        `release`."""
+        order = next(self._claim_orders)
+        claims = [SimClaim(tuple(sorted(set(union))), order) for union in unions]
+        for claim in claims:
+            add_claims(self.claims, claim.keys, order)
+            for key in claim.keys:
+                if key not in self.table:
+                    use = self.next_use(key)
+                    assert use is not None
+                    self.wanted.add(key, Priority.ROUTE_AHEAD, now, use)
         self._changed()
-        return claim
+        return claims
 
     def pass_layer(self, layer: int, claims: Iterable[SimClaim]) -> None:
         """The verify of `claims` has computed `layer`: their claims there step back (forward_of)."""

@@ -163,9 +163,32 @@ class SimPacer:
                 self.sim.s.link_bytes_per_s,
                 self.sim.planner.verify_s(sum(round_of(q).tokens for q in admitted), len(admitted)),
             )
-            for q, experts in zip(admitted, launch_prefetches(projections, certainty), strict=True):
-                q.claim = self.sim.cache.prefetch(experts, self.sim.now)
+            claims = self.sim.cache.prefetch_launch(launch_prefetches(projections, certainty), self.sim.now)
+            for q, claim in zip(admitted, claims, strict=True):
+                q.claim = claim
         return admitted
+
+    def _claim_next_anchors(self, batch: list[SimRequest], rounds: list[Round]) -> None:
+        """As VerifyPacer._claim_next_anchors: each continuing sequence's next anchor, prefetched
+        by the launch rule while it drafts, claimed until that round's verify has run."""
+        cache = self.sim.cache
+        for q in batch:  # the anchors this verify routed were claimed until it ran
+            self.sim.drop_anchor_claim(q)
+        going = [(q, anchor.projection) for q, r in zip(batch, rounds) if (anchor := self.sim.next_anchor(q, r))]
+        if cache is None or not going:
+            return
+        projections = [p for _, p in going]
+        resident = cache.resident()
+        missing = frozenset().union(*(p.union for p in projections)) - resident
+        certainty = launch_certainty(
+            union_bytes(missing, self.sim.s.byte_map),
+            self.sim.s.link_bytes_per_s,
+            self.sim.planner.verify_s(len(going), len(going)),
+        )
+        picked = [(q, experts) for (q, _), experts in zip(going, launch_prefetches(projections, certainty)) if experts]
+        claims = cache.prefetch_launch([experts for _, experts in picked], self.sim.now)  # their round: one forward
+        for (q, experts), claim in zip(picked, claims, strict=True):
+            q.anchor_claim, q.anchor_fetch = claim, experts - resident
 
     def _verify_job(self, batch: list[SimRequest], riders: list[SimRequest]) -> Job:
         yield self.sim.now + self.sim.s.costs.step_s(len(self.sim.seated))  # the engine's bookkeeping per launch
@@ -179,7 +202,8 @@ class SimPacer:
             seconds = costs.mixed_s(tokens, len(batch), prompt_tokens, len(riders), experts, offloaded=offloaded)
         else:
             seconds = costs.verify_s(tokens, len(batch), experts, offloaded=offloaded)
-        yield from self.sim.forward(unions, *seconds, claims=[q.claim for q in batch if q.claim is not None])
+        claims = [c for q in batch for c in (q.claim, q.anchor_claim) if c is not None]
+        yield from self.sim.forward(unions, *seconds, claims=claims)
 
     def _verified(self, batch: list[SimRequest], riders: list[SimRequest], launched: float, exposed: float) -> None:
         """As VerifyPacer._verify: finish the demands, teach the planner (a forward that also
@@ -193,6 +217,7 @@ class SimPacer:
         positions = position_fetch_bytes(residents, routes, nbytes) if known else [()] * len(batch)
         further = further_token_bytes(residents, routes, nbytes) if known else [0] * len(batch)
         traces = [self._trace(r, p, f) for r, p, f in zip(rounds, positions, further, strict=True)]
+        self._claim_next_anchors(batch, rounds)
         for q in batch:
             self.sim.scheduler.finish(q.rid)
         self.sim.planner.observe_verify(

@@ -84,6 +84,8 @@ class SimRequest:
     resident: frozenset[ExpertKey] = frozenset()  # resident when it was drafted
     ticket: Ticket | None = None
     claim: SimClaim | None = None  # its route-ahead prefetch's claim
+    anchor_claim: SimClaim | None = None  # the claim on its next anchor's experts (until that round's verify ran)
+    anchor_fetch: frozenset[ExpertKey] = frozenset()  # what that claim fetched (its next round's bytes)
     drafted_at: float = 0.0
     times: list[float] = attrs.Factory(list)
     tokens: list[int] = attrs.Factory(list)
@@ -138,6 +140,14 @@ class Simulator:
             RoutingShape.of(setup.byte_map, setup.top_k),
         )
         self.router = cfg.offloaded or cfg.two_dimensional  # the engine's default projector choice
+        # each verify projects its sequences' next anchors and prefetches them while they draft, as
+        # the engine does behind a link with a projector that never runs the target (the route head)
+        self.anchors = (
+            setup.pipelined
+            and cfg.offloaded
+            and cfg.speculative
+            and cfg.projector in (None, "route-head", "last-union")
+        )
         # prompts prefill inside the next batched verify (pdflash.engine.prefill_mode)
         self.prefills_ride = setup.pipelined and prefills_ride_verifies(
             setup.prefill_mode, offloaded=cfg.offloaded, drafts=cfg.speculative
@@ -194,6 +204,7 @@ class Simulator:
         return prefill_waits_for_verify(rides=self.prefills_ride, sequences_in_rounds=in_rounds)
 
     def _exit(self, q: SimRequest) -> None:
+        self.drop_anchor_claim(q)
         self.done.append(q)
         del self.seated[q.rid]
         self.on_finish(q)
@@ -286,7 +297,7 @@ class Simulator:
                 made = min(q.drafting, q.max_tokens - q.emitted + 1)
                 q.shadowed = self.s.routing.round(q.route, q.rounds, made, q.emitted - 1).acceptance_length - 1
             r = q.pending = self.s.routing.round(q.route, q.rounds, size, q.emitted - 1)
-            q.resident = resident
+            q.resident = resident - q.anchor_fetch
             expected = q.expected = (
                 expected_committed(q.acceptance.estimate(), size) if q.acceptance is not None else 1.0
             )
@@ -322,6 +333,19 @@ class Simulator:
             self._exit(q)
         else:
             self._plan(q)
+
+    def next_anchor(self, q: SimRequest, r: Round) -> Round | None:
+        """Its next round's anchor alone, as the verify of `r` leaves it (None: it finishes, or
+        anchors are not prefetched here): the routing source's round of one token there."""
+        emitted = q.emitted + min(r.acceptance_length, q.max_tokens - q.emitted)
+        if not self.anchors or emitted >= q.max_tokens:
+            return None
+        return self.s.routing.round(q.route, q.rounds + 1, 1, emitted - 1)
+
+    def drop_anchor_claim(self, q: SimRequest) -> None:
+        if q.anchor_claim is not None and self.cache is not None:
+            self.cache.release(q.anchor_claim)
+        q.anchor_claim, q.anchor_fetch = None, frozenset()
 
     def _emit(self, q: SimRequest, tokens: int) -> None:
         q.emitted += tokens

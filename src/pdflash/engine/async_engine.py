@@ -31,7 +31,7 @@ from pdflash.engine.builder import BUILD_OPTIONS, OffloadProvider, build_engine_
 from pdflash.engine.config import EngineConfig
 from pdflash.engine.lanes import BatchLane, Lane, drafter_has_own_lane, lane_threads
 from pdflash.engine.outputs import RequestOutput, TextStream
-from pdflash.engine.pacer import DerivedBudgets, VerifyPacer
+from pdflash.engine.pacer import DerivedBudgets, VerifyPacer, drop_anchor_claim
 from pdflash.engine.prefill_mode import prefill_waits_for_verify, prefills_ride_verifies
 from pdflash.engine.requests import prompt_token_ids
 from pdflash.engine.requests import sampling_params as request_sampling_params
@@ -104,6 +104,11 @@ class AsyncEngine:
             RoutingShape.of(speculator.expert_nbytes, speculator.target.config.top_k),
         )
         self._work = RoundWork(speculator, self.planner)
+        # behind a link, each verify also projects its sequences' next anchors, whose experts the
+        # pacer fetches while they draft (a projector that runs the target would cost a pass)
+        speculator.project_next_anchors = (
+            provider is not None and provider.link_bytes_per_s is not None and speculator.projector.target_free
+        )
         # "own" | "shared" (the target's) | None: no drafter; torch's thread count now decides "auto"
         self.drafter_lane = None
         if speculator.drafter is not None:
@@ -501,6 +506,7 @@ class AsyncEngine:
             seq.scope.cancel()
 
     def _release_claim(self, seq: Sequence) -> None:
+        """Its verified round's claim ends (its next anchor's stays until that round's verify ran)."""
         if seq.claim is not None and self.provider is not None:
             self.provider.release(seq.claim)
         seq.claim = None
@@ -510,6 +516,7 @@ class AsyncEngine:
             return
         self.scheduler.cancel(seq.request_id)
         self._release_claim(seq)
+        drop_anchor_claim(self.provider, seq)
         if seq.session is not None:
             self.speculator.release(seq.session)
         seq.ticket, seq.draft = None, None

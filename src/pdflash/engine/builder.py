@@ -38,8 +38,9 @@ class OffloadProvider(Protocol):
     @property
     def link_bytes_per_s(self) -> float | None: ...  # emulated, or a real link's measured at start; None: no link
 
-    def prefetch(self, union: frozenset[ExpertKey]) -> Any: ...  # queue route-ahead fetches, claim them; never blocks
-    def release(self, claim: Any) -> None: ...  # the claims of one prefetch, once its verify ran
+    # one claim per verify of one batched forward: queue route-ahead fetches, claim them; never blocks
+    def prefetch_launch(self, unions: list[frozenset[ExpertKey]]) -> list[Any]: ...
+    def release(self, claim: Any) -> None: ...  # the claims of one verify's prefetch, once it ran
     def forward_of(self, claims: list[Any]) -> AbstractContextManager[None]: ...  # the forward verifying them
     def resident(self) -> frozenset[ExpertKey]: ...
     def copy_intervals(self) -> list[tuple[float, float]]: ...  # recent (start, end) of its copies

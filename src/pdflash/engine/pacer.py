@@ -74,6 +74,7 @@ class PacerStats:
     ticks: int = 0
     ticks_in_flight: int = 0  # ticks charged against a non-empty in-flight union
     prefetch_requests: int = 0  # route-ahead prefetches issued (one per admitted verify)
+    anchor_prefetches: int = 0  # of them, a verified sequence's next anchor, fetched while it drafts
     prefetch_errors: int = 0
     prefills_in_verifies: int = 0  # prompts prefilled inside a batched verify's forward
     tick_times: deque[float] = attrs.Factory(lambda: deque(maxlen=TICK_TIMES))  # perf_counter s
@@ -235,6 +236,7 @@ class VerifyPacer:
             elapsed = self._ended_at - started
             done.set()
             self._changed.set()
+        self._claim_next_anchors(batch, outcomes)
         for seq, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 seq.verify_error = outcome
@@ -295,7 +297,7 @@ class VerifyPacer:
     def _passing(self, batch: list[Sequence], forward: Callable[..., T]) -> Callable[..., T]:
         """`forward` run as the verify of `batch`'s claims: the cache ends each layer's claims as
         the forward leaves it, so the fetches for what comes next may use those slots."""
-        claims = [s.claim for s in batch if s.claim is not None]
+        claims = [c for s in batch for c in (s.claim, s.anchor_claim) if c is not None]
         if self.provider is None or not claims:
             return forward
         provider = self.provider
@@ -332,26 +334,75 @@ class VerifyPacer:
         if self.provider is not None:
             drafted = [(s, d) for s in admitted if (d := s.draft) is not None]
             projections = [Projection(d.expert_union, d.expert_probability) for _, d in drafted]
-            missing = frozenset().union(*(p.union for p in projections)) - resident
+            # what their next-anchor prefetches brought in is this launch's copies, begun early
+            early = frozenset().union(*(s.session.anchor_fetch for s, _ in drafted if s.session is not None))
+            missing = frozenset().union(*(p.union for p in projections)) - (resident - early)
             certainty = launch_certainty(
                 self.speculator.union_bytes(missing),
                 self.provider.link_bytes_per_s,
                 self.planner.verify_s(sum(d.tokens for _, d in drafted), len(drafted)),
             )
-            for (seq, _), experts in zip(drafted, launch_prefetches(projections, certainty), strict=True):
-                seq.claim = self._prefetch(experts)
+            claims = self._prefetch(launch_prefetches(projections, certainty))
+            for (seq, _), claim in zip(drafted, claims, strict=True):
+                seq.claim = claim
         return admitted
 
-    def _prefetch(self, union: frozenset[ExpertKey]) -> Any:
-        """Route-ahead: the provider queues the copies on its own thread and claims them; never blocks."""
+    def _claim_next_anchors(self, batch: list[Sequence], outcomes: list[VerifyResult | BaseException]) -> None:
+        """Prefetch, for each sequence the verify leaves going on, what its next anchor (its next
+        round's first token, whatever its block) will route, by the launch rule: behind a link
+        nothing is known to fetch while sequences draft toward their next demands, and every
+        round routes its anchor. The claim holds until that round's verify has run (its forward
+        passes it layer by layer, as its round's own claim), so what it fetched is not evicted
+        in between for want of a claim when the round's prefetch picks fewer experts."""
+        if self.provider is None:
+            return
+        for seq in batch:  # the anchors this verify routed were claimed until it ran
+            drop_anchor_claim(self.provider, seq)
+        going = [
+            (seq, outcome.next_anchor)
+            for seq, outcome in zip(batch, outcomes, strict=True)
+            if isinstance(outcome, VerifyResult) and outcome.next_anchor is not None and seq.live
+        ]
+        if not going:
+            return
+        projections = [projection for _, projection in going]
+        resident = self.provider.resident()
+        missing = frozenset().union(*(p.union for p in projections)) - resident
+        certainty = launch_certainty(
+            self.speculator.union_bytes(missing),
+            self.provider.link_bytes_per_s,
+            self.planner.verify_s(len(going), len(going)),
+        )
+        picked = [
+            (seq, experts) for (seq, _), experts in zip(going, launch_prefetches(projections, certainty)) if experts
+        ]
+        claims = self._prefetch([experts for _, experts in picked]) if picked else []  # their round: one forward too
+        self.stats.anchor_prefetches += sum(claim is not None for claim in claims)
+        for (seq, experts), claim in zip(picked, claims, strict=True):
+            seq.anchor_claim = claim
+            if seq.session is not None and claim is not None:  # what its next round's positions are measured against
+                seq.session.anchor_fetch = experts - resident
+
+    def _prefetch(self, unions: list[frozenset[ExpertKey]]) -> list[Any]:
+        """Route-ahead, one claim per verify of one forward: the provider queues the copies on its
+        own thread and claims them; never blocks. None for each when it fails."""
         assert self.provider is not None
-        self.stats.prefetch_requests += 1
+        self.stats.prefetch_requests += len(unions)
         try:
-            return self.provider.prefetch(union)
+            return self.provider.prefetch_launch(unions)
         except Exception as error:  # a failed prefetch only means on-demand fetches later
             self.stats.prefetch_errors += 1
             log.warning("route-ahead prefetch failed: %r", error)
-            return None
+            return [None] * len(unions)
+
+
+def drop_anchor_claim(provider: OffloadProvider | None, seq: Sequence) -> None:
+    """End `seq`'s claim on its next anchor's experts (the verify of its round ran, or it left)."""
+    if seq.anchor_claim is not None and provider is not None:
+        provider.release(seq.anchor_claim)
+    seq.anchor_claim = None
+    if seq.session is not None:
+        seq.session.anchor_fetch = frozenset()
 
 
 def _drafting(seq: Sequence) -> bool:

@@ -94,6 +94,7 @@ class Sequence:
     verify_result: VerifyResult | None = None  # what that verify returned
     verify_error: BaseException | None = None  # or what it raised
     claim: Any = None  # the cache's claim on its prefetched union (released after its verify or exit)
+    anchor_claim: Any = None  # the cache's claim on its next anchor's experts (until that round's verify ran)
     scope: anyio.CancelScope | None = None  # its coroutine's, cancelled by an abort
     draft: DraftResult | None = None  # its pending verify's drafted block and projected union
     released: anyio.Event = attrs.Factory(anyio.Event)  # KV, demand and claims given back

@@ -40,7 +40,7 @@ class EngineStats:
     waiting: int  # queued, not yet admitted
     pending_demands: int  # verify demands the scheduler holds (waiting or in flight)
     kv_bytes: int  # target + drafter KV cache bytes held by live sessions
-    claimed_experts: int  # experts of route-ahead prefetches whose verify has not run yet
+    claimed_experts: int  # experts of route-ahead prefetches (rounds' and next anchors') still claimed
     requests: int  # accepted by generate()
     finished: int
     aborted: int
@@ -64,6 +64,7 @@ class EngineStats:
     busy_s: float  # wall time with a forward (either lane) or an expert copy running: the union, counted once
     copy_compute_overlap_s: float  # time expert copies ran while the target lane computed
     prefetch_requests: int  # route-ahead prefetches issued
+    anchor_prefetches: int  # of them, a verified sequence's next anchor, fetched while it drafts
     prefetch_errors: int
     provider: dict | None  # the expert provider's own stats, if it has any
 
@@ -83,7 +84,9 @@ def engine_stats(engine: AsyncEngine) -> EngineStats:
         waiting=len(engine._waiting),
         pending_demands=sched.pending + sched.in_flight,
         kv_bytes=sum(s.kv_bytes for s in engine._seqs.values()),
-        claimed_experts=len(frozenset().union(*(s.claim.keys for s in engine._seqs.values() if s.claim))),
+        claimed_experts=len(
+            frozenset().union(*(c.keys for s in engine._seqs.values() for c in (s.claim, s.anchor_claim) if c))
+        ),
         requests=t.requests,
         finished=t.finished,
         aborted=t.aborted,
@@ -107,6 +110,7 @@ def engine_stats(engine: AsyncEngine) -> EngineStats:
         busy_s=running.busy.busy_s(time.perf_counter()) if running else 0.0,
         copy_compute_overlap_s=overlap_s(copies, running.target.intervals) if running else 0.0,
         prefetch_requests=pacer.prefetch_requests if pacer else 0,
+        anchor_prefetches=pacer.anchor_prefetches if pacer else 0,
         prefetch_errors=pacer.prefetch_errors if pacer else 0,
         provider=engine.provider.stats() if engine.provider is not None else None,
     )

@@ -20,7 +20,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -64,7 +64,7 @@ class ExpertClaim:
 
     keys: tuple[ExpertKey, ...]  # every key of the prefetched union, resident or queued
     queued: int  # keys not resident when asked: fetches queued on the lane
-    order: int  # claims are numbered as they come: the order their verifies run in
+    order: int  # claims are numbered as they come, the order their forwards run in (one per launch)
     passed: set[int] = attrs.Factory(set)  # layers its forward has computed (their keys at order + PASSED)
     released: bool = False  # given back (set by release, under the cache's lock)
 
@@ -145,34 +145,46 @@ class OffloadedExperts:
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, union: Iterable[ExpertKey], priority: Priority = Priority.ROUTE_AHEAD) -> ExpertClaim:
-        """Claim every key of `union` and queue fetches of those not resident.
+        """Claim every key of `union` and queue fetches of those not resident (one verify's
+        prefetch: `prefetch_launch` of one union)."""
+        return self.prefetch_launch([union], priority)[0]
 
-        The lane fetches queued keys one at a time, the one a claimed forward needs soonest first
-        (claim order, then layer), each into a slot whose expert is unclaimed or needed later;
-        when there is none, the key waits until a forward moves on or a claim ends. Claimed keys
-        are not evicted for a later need (a forward's own misses still may evict them, those
-        needed last first), so the verify that asked finds them.
+    def prefetch_launch(
+        self, unions: Sequence[Iterable[ExpertKey]], priority: Priority = Priority.ROUTE_AHEAD
+    ) -> list[ExpertClaim]:
+        """One claim per verify of one batched forward, each on every key of its union, and
+        fetches queued for the keys not resident.
+
+        The claims share one number: the forward computes every verify's layer l before any
+        verify's layer l + 1, so a key's need is (that number, its layer) whichever verify asked
+        for it. The lane fetches queued keys one at a time, the one a claimed forward needs
+        soonest first, each into a slot whose expert is unclaimed or needed later; when there is
+        none, the key waits until a forward moves on or a claim ends. Claimed keys are not
+        evicted for a later need (a forward's own misses still may evict them, those needed last
+        first), so the verify that asked finds them.
         """
         if priority is Priority.ON_DEMAND:
             raise ValueError("prefetch priority must be ROUTE_AHEAD or BACKGROUND; ON_DEMAND is a forward's own")
-        keys = tuple(sorted(set(union)))
-        unknown = [k for k in keys if k not in self.store]
+        asked = [tuple(sorted(set(union))) for union in unions]
+        unknown = [k for keys in asked for k in keys if k not in self.store]
         if unknown:
             raise ValueError(
                 f"prefetch of unknown experts {unknown[:5]}; keys are (MoE layer, expert < {self.num_experts})"
             )
         with self._cond:
-            claim = ExpertClaim(keys=keys, queued=0, order=next(self._claim_orders))
-            self._slots.claim(keys, claim.order)
-            for key in keys:
-                if key not in self._slots.entries:
-                    use = self._slots.next_use(key)
-                    assert use is not None
-                    self._wanted.add(key, priority, time.perf_counter(), use)
-                    claim.queued += 1
-            self._counters.prefetch_requests += claim.queued
+            order = next(self._claim_orders)
+            claims = [ExpertClaim(keys=keys, queued=0, order=order) for keys in asked]
+            for claim in claims:
+                self._slots.claim(claim.keys, order)
+                for key in claim.keys:
+                    if key not in self._slots.entries:
+                        use = self._slots.next_use(key)
+                        assert use is not None
+                        self._wanted.add(key, priority, time.perf_counter(), use)
+                        claim.queued += 1
+                self._counters.prefetch_requests += claim.queued
             self._kick()
-        return claim
+        return claims
 
     def release(self, claim: ExpertClaim) -> None:
         """Give back a prefetch's claims (its verify ran, or its sequence left); idempotent per claim."""

@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from pdflash.sampling import SamplingParams, TokenLogprob
-from pdflash.spec.projection import ProjectionQuality
+from pdflash.spec.projection import Projection, ProjectionQuality
 from pdflash.stopping import StopRule
 from pdflash.target.experts import ExpertKey
 from pdflash.target.kv_cache import KVCache
@@ -31,7 +31,9 @@ class DraftResult:
     expert_bytes: int  # exact Σ of the byte map over expert_union
     fetch_bytes: int  # the part of expert_bytes not resident at projection time
     projection_s: float  # this session's share of the batched projection
-    resident: frozenset[ExpertKey] = frozenset()  # experts resident when the route was projected
+    # experts resident when the route was projected, less those a prefetch for the anchor brought
+    # in since the verify before (its positions' bytes are measured against it: they are the round's)
+    resident: frozenset[ExpertKey] = frozenset()
     # the projector's P(routed) per expert (pdflash.spec.projection.Projection.probability);
     # None: expert_union's members are taken as certain
     expert_probability: Mapping[ExpertKey, float] | None = attrs.field(default=None, eq=False, repr=False)
@@ -73,6 +75,9 @@ class VerifyResult:
     finish_reason: str | None  # "stop" | "length" once the request has ended
     trace: RoundTrace  # this round's sizes, bytes and projection quality
     routed_union: frozenset[ExpertKey]  # (layer, expert) pairs the verify actually routed
+    # the next round's anchor alone, projected as soon as this verify chose it (None: not asked
+    # for, the request finished, or a projector that runs the target: Speculator.project_next_anchors)
+    next_anchor: Projection | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +103,10 @@ class SpecSession:
     trace: list[RoundTrace] = attrs.Factory(list)
     projection_s: float = 0.0
     verify_s: float = 0.0
+    # experts the engine's prefetch for its anchor (VerifyResult.next_anchor) brings in, not
+    # resident when it was asked: link bytes of its next round, spent before the round was drafted
+    # (set and cleared by the engine around that round)
+    anchor_fetch: frozenset[ExpertKey] = frozenset()
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence, Set
 
+import attrs
 import torch
 
 from pdflash.measure import tokens_per_second
@@ -51,6 +52,9 @@ class Speculator:
             if self.block_size < 2:
                 raise ValueError(f"block_size must be >= 2 with a drafter, got {self.block_size}")
         self.taps = drafter.config.tap_layers if drafter else ()
+        # each verify also projects the next round's anchor alone (VerifyResult.next_anchor), so its
+        # experts can be fetched while the drafter drafts; only a projector that never runs the target
+        self.project_next_anchors = False
 
     # -- prefill -------------------------------------------------------------------------
     def begin_session(
@@ -156,7 +160,7 @@ class Speculator:
                 expert_bytes=union_bytes(union, self.expert_nbytes),
                 fetch_bytes=union_bytes(union - resident, self.expert_nbytes),
                 projection_s=share,
-                resident=resident,
+                resident=resident - s.anchor_fetch,
             )
             s.projection_s += share
             results.append(s.pending)
@@ -251,7 +255,23 @@ class Speculator:
                 sessions, blocks, choices, logits, routed, taps, position_bytes, further
             )
         ]
+        if self.project_next_anchors:
+            verified = self._with_next_anchors(sessions, verified)
         return verified, begun
+
+    def _with_next_anchors(self, sessions: Sequence[SpecSession], verified: list[VerifyResult]) -> list[VerifyResult]:
+        """`verified`, each unfinished one with its session's next anchor projected alone (one
+        projector call for all: a route head's is one small matmul)."""
+        if not self.projector.target_free:
+            raise ValueError(
+                f"projector {self.projector.name!r} runs the target: it cannot project anchors beside verifies"
+            )
+        going = [i for i, v in enumerate(verified) if not v.finished]
+        if not going:
+            return verified
+        anchors = [torch.tensor([sessions[i].anchor], dtype=torch.int64) for i in going]
+        projections = dict(zip(going, self.projector.project(self, [sessions[i] for i in going], anchors), strict=True))
+        return [attrs.evolve(v, next_anchor=projections.get(i)) for i, v in enumerate(verified)]
 
     def _token_routes(self, routed: torch.Tensor) -> list[frozenset[ExpertKey]]:
         """[n, L_moe, K] routed ids -> each token's (layer, expert) pairs."""

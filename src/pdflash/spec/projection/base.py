@@ -69,5 +69,8 @@ class Projector(Protocol):
     the anchor, then n_i − 1 drafts; n_i = 1 is the anchor alone) and returns one projection each."""
 
     name: str
+    # True: it never runs the target, so a block's anchor alone can be projected the moment a
+    # verify has chosen it, before the drafter runs (the engine prefetches its experts then)
+    target_free: bool
 
     def project(self, speculator: Any, sessions: Sequence[Any], blocks: Sequence[torch.Tensor]) -> list[Projection]: ...

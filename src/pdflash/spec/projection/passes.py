@@ -9,6 +9,7 @@ class LastUnionProjector:
     """Assume the block routes like the session's previous target forward did."""
 
     name = "last-union"
+    target_free = True
 
     def project(self, speculator, sessions, blocks):
         return [Projection(s.last_union) for s in sessions]
@@ -18,6 +19,7 @@ class RouterPassProjector:
     """A router-only pass of the drafted blocks through the target: attention and gates, experts skipped."""
 
     name = "router"
+    target_free = False
 
     def project(self, speculator, sessions, blocks):
         target = speculator.target
@@ -29,6 +31,7 @@ class ExactProjector:
     """The true union: a full uncommitted forward of the block (as costly as the verify; an upper bound)."""
 
     name = "exact"
+    target_free = False
 
     def project(self, speculator, sessions, blocks):
         target = speculator.target

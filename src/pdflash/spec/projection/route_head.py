@@ -168,6 +168,7 @@ class RouteHeadProjector:
     """Project each block with a trained RouteHead: no target pass, one small matmul per round."""
 
     name = "route-head"
+    target_free = True
 
     def __init__(self, head: RouteHead) -> None:
         self.head = head
