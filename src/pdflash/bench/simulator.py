@@ -335,10 +335,11 @@ class Simulator:
             self._plan(q)
 
     def next_anchor(self, q: SimRequest, r: Round) -> Round | None:
-        """Its next round's anchor alone, as the verify of `r` leaves it (None: it finishes, or
-        anchors are not prefetched here): the routing source's round of one token there."""
+        """Its next round's anchor alone, as the verify of `r` leaves it (None: it finishes, its
+        round did not draft, or anchors are not prefetched here): the routing source's round of
+        one token there."""
         emitted = q.emitted + min(r.acceptance_length, q.max_tokens - q.emitted)
-        if not self.anchors or emitted >= q.max_tokens:
+        if not self.anchors or emitted >= q.max_tokens or q.drafting < 2:  # as the engine: drafted rounds only
             return None
         return self.s.routing.round(q.route, q.rounds + 1, 1, emitted - 1)
 

@@ -351,9 +351,12 @@ class VerifyPacer:
         """Prefetch, for each sequence the verify leaves going on, what its next anchor (its next
         round's first token, whatever its block) will route, by the launch rule: behind a link
         nothing is known to fetch while sequences draft toward their next demands, and every
-        round routes its anchor. The claim holds until that round's verify has run (its forward
-        passes it layer by layer, as its round's own claim), so what it fetched is not evicted
-        in between for want of a claim when the round's prefetch picks fewer experts."""
+        round routes its anchor. Only for sequences whose round drafted: one that decodes plainly
+        has no draft to hide the copies behind (its next round is projected and admitted at
+        once, the same anchor, priced by its own launch; at c = 4, anchors fetched for plain
+        rounds cost adaptive speculation 5% more bytes). The claim holds until that round's
+        verify has run (its forward passes it layer by layer, as its round's own claim), so what
+        it fetched is not evicted in between when the round's prefetch picks fewer experts."""
         if self.provider is None:
             return
         for seq in batch:  # the anchors this verify routed were claimed until it ran
@@ -361,7 +364,10 @@ class VerifyPacer:
         going = [
             (seq, outcome.next_anchor)
             for seq, outcome in zip(batch, outcomes, strict=True)
-            if isinstance(outcome, VerifyResult) and outcome.next_anchor is not None and seq.live
+            if isinstance(outcome, VerifyResult)
+            and outcome.next_anchor is not None
+            and seq.live
+            and seq.planned_draft > 1
         ]
         if not going:
             return
