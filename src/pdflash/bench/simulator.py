@@ -336,12 +336,15 @@ class Simulator:
 
     def next_anchor(self, q: SimRequest, r: Round) -> Round | None:
         """Its next round's anchor alone, as the verify of `r` leaves it (None: it finishes, its
-        round did not draft, or anchors are not prefetched here): the routing source's round of
-        one token there."""
+        round did not draft, anchors are not prefetched here, or the routing source does not
+        know single tokens' routes): the routing source's round of one token there."""
         emitted = q.emitted + min(r.acceptance_length, q.max_tokens - q.emitted)
         if not self.anchors or emitted >= q.max_tokens or q.drafting < 2:  # as the engine: drafted rounds only
             return None
-        return self.s.routing.round(q.route, q.rounds + 1, 1, emitted - 1)
+        anchor = self.s.routing.round(q.route, q.rounds + 1, 1, emitted - 1)
+        # a replay of recorded whole blocks knows no token's route alone (its round of one token is
+        # the whole next block's): there the anchors' prefetch is left out rather than overstated
+        return anchor if anchor.positions else None
 
     def drop_anchor_claim(self, q: SimRequest) -> None:
         if q.anchor_claim is not None and self.cache is not None:
