@@ -25,27 +25,19 @@ import torch
 from tqdm import tqdm
 
 from pdflash.bench.configs import parse_configs
-from pdflash.bench.runner import bundled_behind_link, engine_recipe, run_point
+from pdflash.bench.runner import add_linked_run_options, engine_recipe, linked_run, run_point
 from pdflash.sampling import SamplingParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="ar,dflash-token,adaptive", help="offloaded configurations (bench names)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32], help="closed-loop clients")
-    parser.add_argument("--profile", default="qwen3-30b-a3b@h200-pcie5", help="deployment profile (pdflash bench)")
+    add_linked_run_options(parser, configs="ar,dflash-token,adaptive", concurrency=[1, 16, 32])
     parser.add_argument("--regime-ratio", type=float, default=None, help="override the profile's R (1: balanced)")
     parser.add_argument("--cache-fraction", type=float, default=None, help="override the profile's cache share")
-    parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per request (default 48)")
-    parser.add_argument("--min-requests", type=int, default=8, help="requests per point at least (default 8)")
-    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads (default 1)")
     args = parser.parse_args()
-    torch.set_num_threads(args.torch_threads)
 
     configs = parse_configs(args.configs)
-    run = bundled_behind_link(
-        configs, args.concurrency, profile=args.profile, max_tokens=args.max_tokens, min_requests=args.min_requests
-    )
+    run = linked_run(args, configs)
     plan, scale, pool = run.plan, run.scale, run.pool
     if args.regime_ratio is not None:
         scale = attrs.evolve(

@@ -19,11 +19,9 @@ import argparse
 from collections import Counter
 from typing import Any
 
-import torch
-
 from pdflash.bench.configs import parse_configs
 from pdflash.bench.report import machine
-from pdflash.bench.runner import bundled_behind_link, engine_recipe, run_point
+from pdflash.bench.runner import add_linked_run_options, engine_recipe, linked_run, run_point
 from pdflash.engine.async_engine import AsyncEngine
 from pdflash.sampling import SamplingParams
 
@@ -62,19 +60,11 @@ class CallBytes:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="ar,dflash-token,adaptive", help="offloaded configurations (bench names)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[16], help="closed-loop clients (default 16)")
-    parser.add_argument("--profile", default="qwen3-30b-a3b@h200-pcie5", help="deployment profile (pdflash bench)")
-    parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per request (default 48)")
-    parser.add_argument("--min-requests", type=int, default=64, help="requests per point at least (default 64)")
-    parser.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default 2)")
+    add_linked_run_options(parser, configs="ar,dflash-token,adaptive", concurrency=[16], min_requests=64, threads=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.torch_threads)
 
     configs = [c for c in parse_configs(args.configs) if c.offloaded]
-    run = bundled_behind_link(
-        configs, args.concurrency, profile=args.profile, max_tokens=args.max_tokens, min_requests=args.min_requests
-    )
+    run = linked_run(args, configs)
     plan, scale, pool = run.plan, run.scale, run.pool
     recipe = engine_recipe(plan, scale)
     params = SamplingParams(max_tokens=args.max_tokens)

@@ -20,10 +20,9 @@ import argparse
 import time
 
 import anyio
-import torch
 
 from pdflash.bench.configs import parse_configs
-from pdflash.bench.runner import bundled_behind_link, engine_recipe, one_request
+from pdflash.bench.runner import add_linked_run_options, engine_recipe, linked_run, one_request
 from pdflash.measure import overlap_s
 from pdflash.sampling import SamplingParams
 
@@ -124,19 +123,11 @@ def report(name: str, concurrency: int, seen: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="ar,adaptive", help="offloaded configurations (bench names)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[16], help="closed-loop clients")
-    parser.add_argument("--profile", default="qwen3-30b-a3b@h200-pcie5", help="deployment profile (pdflash bench)")
-    parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per request (default 48)")
-    parser.add_argument("--min-requests", type=int, default=8, help="requests per point at least (default 8)")
+    add_linked_run_options(parser, configs="ar,adaptive", concurrency=[16])
     parser.add_argument("--repeats", type=int, default=1, help="runs per configuration, interleaved (default 1)")
-    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads (default 1)")
     args = parser.parse_args()
-    torch.set_num_threads(args.torch_threads)
     configs = parse_configs(args.configs)
-    run = bundled_behind_link(
-        configs, args.concurrency, profile=args.profile, max_tokens=args.max_tokens, min_requests=args.min_requests
-    )
+    run = linked_run(args, configs)
     recipe = engine_recipe(run.plan, run.scale)
     print(
         f"AR step here {run.scale.ar_step_s * 1e3:.2f} ms, emulated link {run.scale.link_gbps * 1e3:.1f} MB/s, "

@@ -10,6 +10,7 @@ format reports (pdflash.bench.report).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import anyio
 import attrs
+import torch
 
 from pdflash.bench.configs import BenchConfig, two_d_budgets
 from pdflash.bench.metrics import PointResult, RequestRecord, Traffic, summarise
@@ -175,6 +177,32 @@ def bundled_behind_link(
         repeats=1,
     )
     return LinkedRun(plan=plan, scale=scale, pool=pool)
+
+
+def add_linked_run_options(
+    parser: argparse.ArgumentParser, *, configs: str, concurrency: list[int], min_requests: int = 8, threads: int = 1
+) -> None:
+    """The options of a benchmark script that runs `pdflash bench` points behind a profile's
+    link (`linked_run` reads them), with the script's own defaults."""
+    parser.add_argument("--configs", default=configs, help=f"offloaded configurations (bench names; default {configs})")
+    clients = " ".join(map(str, concurrency))
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=concurrency, help=f"closed-loop clients (default {clients})"
+    )
+    parser.add_argument("--profile", default="qwen3-30b-a3b@h200-pcie5", help="deployment profile (pdflash bench)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per request (default 48)")
+    parser.add_argument(
+        "--min-requests", type=int, default=min_requests, help=f"requests per point at least (default {min_requests})"
+    )
+    parser.add_argument("--torch-threads", type=int, default=threads, help=f"intra-op threads (default {threads})")
+
+
+def linked_run(args: argparse.Namespace, configs: Sequence[BenchConfig]) -> LinkedRun:
+    """`bundled_behind_link` for a script's parsed `add_linked_run_options`, its torch threads set first."""
+    torch.set_num_threads(args.torch_threads)
+    return bundled_behind_link(
+        configs, args.concurrency, profile=args.profile, max_tokens=args.max_tokens, min_requests=args.min_requests
+    )
 
 
 async def one_request(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> RequestRecord:
