@@ -511,6 +511,27 @@ async def test_behind_a_link_a_verify_claims_its_sequences_next_anchors_until_th
 
 
 @pytest.mark.asyncio
+async def test_behind_a_link_a_plain_round_after_a_verify_asks_no_lane(loaded, reference):
+    """Each verify projects its sequences' next anchors, and a plain round takes that projection
+    (Speculator.plain_round): only a sequence's first round, after its prefill, calls a lane."""
+    spec = Speculator(loaded.model, None, expert_nbytes=loaded.expert_nbytes, projector="last-union")
+    engine = AsyncEngine(spec, loaded.tokenizer, EngineConfig(), provider=LinkedProvider())
+    async with engine:
+        real, drafted = engine.speculator.draft_rounds, []
+
+        def draft_rounds(sessions, *args):
+            drafted.extend(sessions)
+            return real(sessions, *args)
+
+        engine.speculator.draft_rounds = draft_rounds
+        results = await run_all(engine, [(p, LONG) for p in PROMPTS])
+        stats = await drained(engine)
+    assert [ids for ids, _, _ in results] == [reference(p, LONG) for p in PROMPTS]
+    assert len(drafted) == len(PROMPTS) and len({id(s) for s in drafted}) == len(PROMPTS)
+    assert stats.verify_rounds > 2 * len(PROMPTS)  # the other rounds went straight to their verifies
+
+
+@pytest.mark.asyncio
 async def test_an_abort_while_drafting_releases_the_next_anchor_s_claim(loaded, drafter, reference):
     provider = LinkedProvider()
     engine = linked_engine(loaded, drafter, provider)

@@ -20,6 +20,7 @@ from pdflash.spec.projection import (
     union_bytes,
 )
 from pdflash.spec.route_training import RouteTrainSettings, build_route_data, score_blocks, train_route_head
+from pdflash.spec.session import RoundOrderError
 from pdflash.spec.speculator import Speculator
 from pdflash.target.loader import load_target
 from pdflash.target.tiny import write_tiny_drafter
@@ -270,6 +271,41 @@ def test_a_verify_projects_each_going_session_s_next_anchor_when_asked(loaded, d
         assert result.next_anchor.union == alone.union  # batched with the others: the same matmul rows
         assert result.next_anchor.probability == pytest.approx(alone.probability, abs=1e-5)
     assert results[0].finished and not results[1].finished  # both kinds were checked
+
+
+@pytest.mark.parametrize("name", ["route-head", "last-union"])
+def test_a_plain_round_from_the_projected_anchor_is_the_round_a_projector_call_would_make(
+    loaded, drafter, head_and_data, name
+):
+    """Speculator.plain_round(session, next_anchor) pends the DraftResult draft_rounds makes for a
+    block of one (same block, union, bytes, probabilities), without calling the projector."""
+    head, _, _ = head_and_data
+    projector = make_projector(name, route_head=head)
+    some = frozenset(sorted(loaded.expert_nbytes)[::3])  # a third of the experts resident
+    spec = speculator(loaded, drafter, projector, block_size=4, resident=lambda: some)
+    spec.project_next_anchors = True
+    (session,) = spec.begin_sessions([(PROMPTS[1], SamplingParams(max_tokens=12))])
+    spec.draft_rounds([session], [4])
+    (result,) = spec.verify_rounds([session])
+    assert result.next_anchor is not None
+    before = session.snapshot()
+    (called,) = spec.draft_rounds([session], [1])
+    session.restore(before)
+    calls = []
+    spec.projector = type("Counting", (), {"project": lambda *a: calls.append(a), "target_free": True})()
+    known = spec.plain_round(session, result.next_anchor)
+    assert calls == [] and session.pending is known
+    assert (known.block, known.shadow, known.draft_probs) == (called.block, (), None) and known.tokens == 1
+    assert known.expert_union == called.expert_union
+    assert (known.expert_bytes, known.fetch_bytes, known.resident) == (
+        called.expert_bytes,
+        called.fetch_bytes,
+        called.resident,
+    )
+    assert 0 < known.fetch_bytes < known.expert_bytes  # priced against what is resident
+    assert known.expert_probability == pytest.approx(called.expert_probability, abs=1e-5)
+    with pytest.raises(RoundOrderError, match="twice"):
+        spec.plain_round(session, result.next_anchor)
 
 
 def test_only_a_projector_that_never_runs_the_target_projects_anchors_beside_verifies(loaded, drafter):

@@ -74,7 +74,7 @@ class SimPacer:
             self.sim.clock.at(self.sim.now + wait_s, self._serve_if_idle)
             return
         self._held = None
-        if batch and self._waited:
+        if batch and (self._waited or self.sim.scheduler.pending_count()):
             batch = batch + self._tick(frozenset())  # latecomers join the gathered batch
         for _ in range(STALLED_TICKS):
             if batch or not (self.sim.scheduler.pending_count() or self.sim.scheduler.admitted_ids()):

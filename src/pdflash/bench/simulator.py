@@ -140,14 +140,14 @@ class Simulator:
             RoutingShape.of(setup.byte_map, setup.top_k),
         )
         self.router = cfg.offloaded or cfg.two_dimensional  # the engine's default projector choice
-        # each verify projects its sequences' next anchors and prefetches them while they draft, as
-        # the engine does behind a link with a projector that never runs the target (the route head)
-        self.anchors = (
-            setup.pipelined
-            and cfg.offloaded
-            and cfg.speculative
-            and cfg.projector in (None, "route-head", "last-union")
+        # each verify projects its sequences' next anchors, as the engine does behind a link with a
+        # projector that never runs the target (the route head): a plain round after it needs no
+        # lane (Speculator.plain_round), and a drafting sequence's anchor is prefetched while it drafts
+        self.projects_anchors = (
+            setup.pipelined and cfg.offloaded and cfg.projector in (None, "route-head", "last-union")
         )
+        self.anchors = self.projects_anchors and cfg.speculative
+        self._plain_known: list[SimRequest] = []  # plain rounds whose projection the verify made, to register
         # prompts prefill inside the next batched verify (pdflash.engine.prefill_mode)
         self.prefills_ride = setup.pipelined and prefills_ride_verifies(
             setup.prefill_mode, offloaded=cfg.offloaded, drafts=cfg.speculative
@@ -286,7 +286,18 @@ class Simulator:
         assert q.acceptance is not None
         q.planned = self.planner.plan(q.acceptance)
         q.drafting = self.planner.drafted_tokens(q.planned, greedy=True)
-        (self.draft if q.drafting > 1 else self.plain).submit(q)
+        if q.drafting > 1:
+            self.draft.submit(q)
+        elif self.projects_anchors and q.rounds > 0:  # the verify before projected its anchor: no lane
+            if not self._plain_known:  # those of one verify register together, after its streams
+                self.clock.at(self.now, self._register_plain)
+            self._plain_known.append(q)
+        else:
+            self.plain.submit(q)
+
+    def _register_plain(self) -> None:
+        known, self._plain_known = self._plain_known, []
+        self._drafted(known, [1] * len(known))
 
     def _drafted(self, batch: list[SimRequest], sizes: list[int]) -> None:
         resident = self.cache.resident() if self.cache is not None else frozenset()

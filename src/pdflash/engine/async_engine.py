@@ -45,6 +45,7 @@ from pdflash.errors import EngineClosedError, EngineOverloadedError
 from pdflash.measure import BusyClock
 from pdflash.sampling import SamplingParams
 from pdflash.spec.policy import expected_committed
+from pdflash.spec.projection import Projection
 from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
 from pdflash.spec.speculator import Speculator
 from pdflash.stopping import StopRule
@@ -351,16 +352,16 @@ class AsyncEngine:
                 if self._stream_round(seq, seq.session.emitted, seq.session.finish_reason, seq.prefilled):
                     return
                 seq.acceptance = self.planner.track()
+                anchor = None  # the next round's anchor, as the verify before projected it
                 while True:
                     seq.planned_block = self._work.plan(seq)
                     seq.planned_draft = self._work.draft_tokens(seq)
-                    # a round without drafts skips the drafter: its projection is target work, on the target
-                    # lane, so plain-decoding rounds batch together as an autoregressive engine's do
-                    draft = await (running.draft if seq.planned_draft > 1 else running.plain).submit(seq)
+                    draft = await self._draft(seq, anchor)
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     ticket = self._register(seq, draft)
                     await ticket.wait()
                     result = await running.pacer.verified(seq)
+                    anchor = result.next_anchor
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     if self._stream_round(seq, result.accepted_ids, result.finish_reason, seq.verified, result):
                         return
@@ -375,6 +376,18 @@ class AsyncEngine:
             with anyio.CancelScope(shield=True):
                 await running.pacer.settled(seq)
             self._release(seq)
+
+    async def _draft(self, seq: Sequence, anchor: Projection | None) -> DraftResult:
+        """Its next round, drafted on the drafter lane; or plain (no drafts): its projection is
+        target work, on the target lane, so plain rounds batch together as an autoregressive
+        engine's do, unless the verify before projected its anchor already (`anchor`), which is
+        then the round's projection, no lane asked (pdflash.spec.speculator.Speculator.plain_round)."""
+        assert self._running is not None and seq.session is not None
+        if seq.planned_draft > 1:
+            return await self._running.draft.submit(seq)
+        if anchor is None:
+            return await self._running.plain.submit(seq)
+        return self.speculator.plain_round(seq.session, anchor)
 
     def _register(self, seq: Sequence, draft: DraftResult) -> Ticket:
         """Its pending verify's exact demand goes to the scheduler; the pacer may tick."""

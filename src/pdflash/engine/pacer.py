@@ -139,9 +139,10 @@ class VerifyPacer:
                 if not batch:  # nothing fits yet: the carried quantum grows each tick (bounded by the cap)
                     await anyio.lowlevel.checkpoint()
                     continue
-            elif self._gather_s(batch) > 0:  # admitted while the last verify ran: latecomers may join it
+            else:  # admitted while the last verify ran: latecomers join it, those still drafting if worth the wait
                 await self._until_gathered(batch)
-                batch += self._tick(in_flight_union=frozenset())
+                if self.scheduler.pending_count():
+                    batch += self._tick(in_flight_union=frozenset())
             await self._launch(batch)
 
     async def _until_demands(self) -> None:

@@ -19,7 +19,14 @@ from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams, adjust_logits, probabilities, sample, token_logprobs
 from pdflash.spec import rejection
 from pdflash.spec.drafter import DFlashDrafter
-from pdflash.spec.projection import ProjectionQuality, Projector, make_projector, routed_union, union_bytes
+from pdflash.spec.projection import (
+    Projection,
+    ProjectionQuality,
+    Projector,
+    make_projector,
+    routed_union,
+    union_bytes,
+)
 from pdflash.spec.session import DraftResult, RoundOrderError, RoundTrace, SpecSession, VerifyResult
 from pdflash.stopping import StopRule, StopWatcher
 from pdflash.target.experts import ExpertKey
@@ -125,10 +132,7 @@ class Speculator:
         extra ones change no random number the block's own drafts were drawn with).
         """
         for s in sessions:
-            if s.finished:
-                raise RoundOrderError("draft_round on a finished session")
-            if s.pending is not None:
-                raise RoundOrderError("draft_round twice without a verify_round in between")
+            _check_draftable(s)
         wanted = sizes if sizes is not None else [self.block_size] * len(sessions)
         for size in wanted:
             if not 1 <= size <= self.block_size:
@@ -148,23 +152,45 @@ class Speculator:
         projections = self.projector.project(self, sessions, blocks)
         share = (time.perf_counter() - started) / len(sessions)
         resident = frozenset(self.resident())
-        results = []
-        for s, block, whole, q, projection in zip(sessions, blocks, full, draft_probs, projections):
-            union = projection.union
-            s.pending = DraftResult(
-                block=tuple(block.tolist()),
-                shadow=tuple(whole[len(block) :].tolist()),
-                draft_probs=q,
-                expert_union=union,
-                expert_probability=projection.probability,
-                expert_bytes=union_bytes(union, self.expert_nbytes),
-                fetch_bytes=union_bytes(union - resident, self.expert_nbytes),
-                projection_s=share,
-                resident=resident - s.anchor_fetch,
-            )
+        for s in sessions:
             s.projection_s += share
-            results.append(s.pending)
-        return results
+        return [
+            self._pend(s, tuple(block.tolist()), tuple(whole[len(block) :].tolist()), q, projection, resident, share)
+            for s, block, whole, q, projection in zip(sessions, blocks, full, draft_probs, projections)
+        ]
+
+    def plain_round(self, session: SpecSession, anchor: Projection) -> DraftResult:
+        """The round of `session`'s anchor alone (plain decoding), its projection given: what
+        `draft_rounds([session], [1])` makes, without a projector call. The verify before it
+        projected that anchor already (VerifyResult.next_anchor, counted in its projection_s),
+        and a target-free projector's projection of a block of one is exactly that."""
+        _check_draftable(session)
+        return self._pend(session, (session.anchor,), (), None, anchor, frozenset(self.resident()), 0.0)
+
+    def _pend(
+        self,
+        s: SpecSession,
+        block: tuple[int, ...],
+        shadow: tuple[int, ...],
+        q: torch.Tensor | None,
+        projection: Projection,
+        resident: frozenset[ExpertKey],
+        projection_s: float,
+    ) -> DraftResult:
+        """`s`'s pending round: `block` to verify, its projected experts priced against `resident`."""
+        union = projection.union
+        s.pending = DraftResult(
+            block=block,
+            shadow=shadow,
+            draft_probs=q,
+            expert_union=union,
+            expert_probability=projection.probability,
+            expert_bytes=union_bytes(union, self.expert_nbytes),
+            fetch_bytes=union_bytes(union - resident, self.expert_nbytes),
+            projection_s=projection_s,
+            resident=resident - s.anchor_fetch,
+        )
+        return s.pending
 
     def _drafted_blocks(
         self, sessions: Sequence[SpecSession], sizes: list[int]
@@ -270,7 +296,11 @@ class Speculator:
         if not going:
             return verified
         anchors = [torch.tensor([sessions[i].anchor], dtype=torch.int64) for i in going]
+        started = time.perf_counter()
         projections = dict(zip(going, self.projector.project(self, [sessions[i] for i in going], anchors), strict=True))
+        share = (time.perf_counter() - started) / len(going)
+        for i in going:
+            sessions[i].projection_s += share
         return [attrs.evolve(v, next_anchor=projections.get(i)) for i, v in enumerate(verified)]
 
     def _token_routes(self, routed: torch.Tensor) -> list[frozenset[ExpertKey]]:
@@ -408,6 +438,13 @@ def speculative_generate(speculator: Speculator, prompt_ids: Sequence[int], para
         }
         | session.stats(),
     )
+
+
+def _check_draftable(session: SpecSession) -> None:
+    if session.finished:
+        raise RoundOrderError("draft_round on a finished session")
+    if session.pending is not None:
+        raise RoundOrderError("draft_round twice without a verify_round in between")
 
 
 def _pending_draft(session: SpecSession) -> DraftResult:
