@@ -74,8 +74,8 @@ class SimPacer:
             self.sim.clock.at(self.sim.now + wait_s, self._serve_if_idle)
             return
         self._held = None
-        if batch and (self._waited or self.sim.scheduler.pending_count()):
-            batch = batch + self._tick(frozenset())  # latecomers join the gathered batch
+        if batch and (self._waited or (self.sim.cache is not None and self.sim.scheduler.pending_count())):
+            batch = batch + self._tick(frozenset())  # latecomers join it (VerifyPacer._latecomers_wait)
         for _ in range(STALLED_TICKS):
             if batch or not (self.sim.scheduler.pending_count() or self.sim.scheduler.admitted_ids()):
                 break
