@@ -159,8 +159,8 @@ class VerifyPacer:
         """Behind a link, demands registered since the tick that admitted the next batch join its
         launch: merged, their experts cross the link once (a plain round registers the moment its
         verify ends, so without this it went alone after the batch it just missed: 33-47 launches
-        of one or two sequences instead of 7-11 at c = 4). Resident, they make the next cohort,
-        which drafts while this one verifies (joining them cost 7-8% tokens/s at c = 4 and 16)."""
+        of one or two sequences instead of 7-11 at c = 4). Resident, `_gather_s`'s rule stands: they
+        make the next cohort, which drafts while this one verifies."""
         linked = self.provider is not None and self.provider.link_bytes_per_s is not None
         return linked and self.scheduler.pending_count() > 0
 
