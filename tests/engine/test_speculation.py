@@ -13,6 +13,7 @@ from test_engine import GREEDY, PROMPTS, SlowLink
 from pdflash.engine.round_work import RoundWork
 from pdflash.engine.speculation import (
     COLUMN_SUBSETS,
+    RESOLVE_EVERY,
     RoutingShape,
     SpeculationPlanner,
     VerifyCost,
@@ -254,6 +255,26 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     chosen = Counter(planner.plan(seq) for _ in range(200))
     assert chosen.most_common(1)[0][0] == 4 and len(chosen) > 1, chosen
     assert sum(planner.decisions.values()) == 201
+
+
+def test_the_verify_fit_is_solved_when_its_sizes_change_and_every_few_verifies_between():
+    """Solving costs 0.3-0.4 ms on the event loop per verify: a new size is priced at once, a
+    known size's drifting mean every RESOLVE_EVERY verifies."""
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
+    one = [trace(1, (1000,))]
+    planner.observe_verify(one, 0.010)  # a warm-up: no size known, nothing to solve
+    assert planner.verify_s(1, 1) is None
+    planner.observe_verify(one, 0.010)  # the first size known: solved
+    assert planner.verify_s(1, 1) == pytest.approx(0.010)
+    for _ in range(RESOLVE_EVERY - 1):  # its mean drifts toward 30 ms; the fit waits
+        planner.observe_verify(one, 0.030)
+        assert planner.verify_s(1, 1) == pytest.approx(0.010)
+    planner.observe_verify(one, 0.030)  # the RESOLVE_EVERY-th since the solve
+    assert planner.verify_s(1, 1) > 0.020
+    planner.observe_verify([trace(4, (1000, 400))], 0.040)  # warm-up of size 4: its mean not kept
+    held = planner.verify_s(4, 1)
+    planner.observe_verify([trace(4, (1000, 400))], 0.040)  # a new size: solved at once
+    assert planner.verify_s(4, 1) != held and planner.verify_s(4, 1) == pytest.approx(0.040, rel=0.05)
 
 
 def test_later_positions_cost_what_they_added_relative_to_the_first_at_the_first_positions_bytes_now():

@@ -75,7 +75,7 @@ class SimPacer:
             return
         self._held = None
         if batch and (self._waited or (self.sim.cache is not None and self.sim.scheduler.pending_count())):
-            batch = batch + self._tick(frozenset())  # latecomers join it (VerifyPacer._latecomers_wait)
+            batch = batch + self._tick(frozenset())  # latecomers join it (VerifyPacer._latecomers_join)
         for _ in range(STALLED_TICKS):
             if batch or not (self.sim.scheduler.pending_count() or self.sim.scheduler.admitted_ids()):
                 break

@@ -139,7 +139,7 @@ class VerifyPacer:
                 if not batch:  # nothing fits yet: the carried quantum grows each tick (bounded by the cap)
                     await anyio.lowlevel.checkpoint()
                     continue
-            elif self._gather_s(batch) > 0 or self._latecomers_wait():  # admitted while the last verify ran
+            elif self._gather_s(batch) > 0 or self._latecomers_join():  # admitted while the last verify ran
                 await self._until_gathered(batch)
                 batch += self._tick(in_flight_union=frozenset())  # latecomers join it
             await self._launch(batch)
@@ -155,7 +155,7 @@ class VerifyPacer:
             with anyio.move_on_after(wait_s):
                 await self._changed.wait()
 
-    def _latecomers_wait(self) -> bool:
+    def _latecomers_join(self) -> bool:
         """Behind a link, demands registered since the tick that admitted the next batch join its
         launch: merged, their experts cross the link once (a plain round registers the moment its
         verify ends, so without this it went alone after the batch it just missed: 33-47 launches
