@@ -11,6 +11,7 @@ import torch
 from pdflash.bench.commands import _emit, _progress
 from pdflash.bench.configs import parse_configs
 from pdflash.bench.profiles import TimeScale, get_profile
+from pdflash.bench.ratios import paired_ratios, ratio_table
 from pdflash.bench.report import machine, markdown_table
 from pdflash.bench.routing import write_traces
 from pdflash.bench.runner import (
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         write_traces(
             args.record_routing, _ordered_traces(record, pool), {"target": str(target), "drafter": str(drafter)}
         )
+    ratios = paired_ratios(points)
     header = {
         "title": f"pdflash bench, bundled pair in the {profile.name} regime",
         "machine": machine(),
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         "open_loop_rate_per_s": rate,
         "open_loop": [p.as_dict() for p in open_points],
         "command": "pdflash " + " ".join(sys.argv[1:]),
+        "paired_ratios": [r.as_dict() for r in ratios],
     }
     lines = [
         f"# {header['title']}",
@@ -107,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
         "",
         markdown_table(points),
     ]
+    if table := ratio_table(ratios):
+        lines += [
+            "",
+            "Each repeat ran every configuration once, back to back; ratios of the same repeat's runs:",
+            "",
+            table,
+        ]
     if open_points:
         lines += [
             "",

@@ -331,6 +331,7 @@ def _median_point(points: list[PointResult], recipe: EngineRecipe, cfg: BenchCon
         "repeats": len(points),
         "tokens_per_s_min": ranked[0].tokens_per_s,
         "tokens_per_s_max": ranked[-1].tokens_per_s,
+        "tokens_per_s_runs": [p.tokens_per_s for p in points],  # in the order the repeats ran (paired ratios)
         "budgets": recipe.budgets(cfg),
     }
     return attrs.evolve(chosen, extra=extra)
