@@ -651,3 +651,22 @@ def test_yield_ranks_only_the_oldest_look_ahead_and_keeps_arrival_order_behind_t
         sched.register(i, 1, union={(0, i)}, full_bytes=40, expected_tokens=1.0 + i)
     best_ranked = tuple(range(LOOK_AHEAD - 1, LOOK_AHEAD - 17, -1))
     assert sched.tick(resident=set(), in_flight_union=set()).admitted_ids == best_ranked
+
+
+def test_when_every_waiting_demand_fits_the_yield_order_is_not_computed(monkeypatch):
+    """A pool of every expert's bytes and every waiting token admits them all in any order (the
+    derived budgets' every tick): the tick neither ranks nor charges them; one token short, it
+    ranks again."""
+    byte_map = {(0, e): 40 for e in range(8)}
+    for tokens_short, admitted in ((0, ("poor", "rich")), (1, ("rich",))):
+        every = dict(byte_budget=8 * 40, byte_cap=8 * 40)  # every expert's bytes
+        sched = two_d(charge_mode="marginal", byte_map=byte_map, order="yield", token_budget=8 - tokens_short, **every)
+        ranked = []
+        alone = sched._table.alone_bytes
+        monkeypatch.setattr(
+            sched._table, "alone_bytes", lambda *a, ranked=ranked, alone=alone: ranked.append(a) or alone(*a)
+        )
+        sched.register("poor", 4, union={(0, 0), (0, 1)}, full_bytes=80, expected_tokens=1.0)
+        sched.register("rich", 4, union={(0, 2), (0, 3)}, full_bytes=80, expected_tokens=3.5)
+        assert sched.tick(resident=set(), in_flight_union=set()).admitted_ids == admitted
+        assert bool(ranked) == bool(tokens_short)

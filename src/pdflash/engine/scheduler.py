@@ -129,6 +129,8 @@ class VerifyScheduler:
         self._last_tick_s: float | None = None
         self._masks = ExpertMasks(byte_map) if byte_map is not None and not self.token_only else None
         self._table = DemandTable(self._masks)  # rows built at registration, off the tick that charges them
+        # bytes of every expert: marginal charges of one tick never sum to more
+        self._every_expert_bytes = self._masks.nbytes(self._masks.everything) if self._masks is not None else 0
 
     # -- configuration checks --
 
@@ -223,15 +225,20 @@ class VerifyScheduler:
         if budget is not None:  # derived budgets: this tick's quantum (the caps stay)
             self.budget = budget
         seated = list(self._in_flight.values())
-        covered, inside = None, frozenset[int]()  # mask of resident ∪ in flight, when charges or order need it
-        if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
-            covered, inside = self._table.covered(resident, in_flight_union)
-        charge = self._charger(covered, inside)
-        pool = (
-            self.budget.tokens + self._carried.tokens - sum([e.request.tokens for e in seated]),
-            self.budget.expert_bytes + self._carried.expert_bytes - sum([charge(e) for e in seated]),  # seated first
-        )
-        admitted, charges, self._pool = self._first_fit(self._line(covered), charge, *pool)
+        pool_tokens = self.budget.tokens + self._carried.tokens - sum([e.request.tokens for e in seated])
+        if self._all_fit(pool_tokens):  # nothing to rank or charge: every waiting demand goes
+            admitted, charges = list(self._queue.values()), [0] * len(self._queue)
+            self._pool = (
+                pool_tokens - sum([e.request.tokens for e in admitted]),
+                self.budget.expert_bytes + self._carried.expert_bytes,
+            )
+        else:
+            covered, inside = None, frozenset[int]()  # mask of resident ∪ in flight, when charges or order need it
+            if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
+                covered, inside = self._table.covered(resident, in_flight_union)
+            charge = self._charger(covered, inside)
+            pool_bytes = self.budget.expert_bytes + self._carried.expert_bytes - sum([charge(e) for e in seated])
+            admitted, charges, self._pool = self._first_fit(self._line(covered), charge, pool_tokens, pool_bytes)
         self._ticks += 1  # every demand still queued after this was skipped by it
         self._carried = TokensBytes(*self._pool).clamped(self.cap)
         self._hand_out(admitted, charges)
@@ -277,6 +284,18 @@ class VerifyScheduler:
         if not self.token_only:
             most = r.fetch_bytes if self.charge_mode is ChargeMode.FETCH else r.full_bytes
             require_fits_cap("byte_cap", self.cap.expert_bytes, most, f"the bytes {who} may be charged")
+
+    def _all_fit(self, pool_tokens: int) -> bool:
+        """Whether every waiting demand fits this tick whatever its order and charges: their
+        tokens in the pool, and bytes to spare for every expert (a tick's marginal charges, the
+        seated ones' included, count each expert once at most; token-only charges nothing).
+        Then nothing is ranked or charged. Every tick of the derived budgets, whose bytes are
+        every expert's and tokens every seat's block (docs/engine.md, "Derived budgets never bind")."""
+        if not self.token_only and self.charge_mode is not ChargeMode.MARGINAL:
+            return False  # full and fetch charges count a shared expert once per demand
+        if self.budget.expert_bytes + self._carried.expert_bytes < self._every_expert_bytes:
+            return False
+        return pool_tokens >= sum([e.request.tokens for e in self._queue.values()])
 
     def _line(self, covered: int | None) -> Iterator[_Entry]:
         """The waiting demands in the order this tick offers them (pdflash.engine.ordering), as
