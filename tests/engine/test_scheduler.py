@@ -670,3 +670,20 @@ def test_when_every_waiting_demand_fits_the_yield_order_is_not_computed(monkeypa
         sched.register("rich", 4, union={(0, 2), (0, 3)}, full_bytes=80, expected_tokens=3.5)
         assert sched.tick(resident=set(), in_flight_union=set()).admitted_ids == admitted
         assert bool(ranked) == bool(tokens_short)
+
+
+def test_after_a_tick_that_read_no_union_a_mask_waits_until_a_tick_reads_it():
+    """Registrations after an all-fitting tick defer their union's mask; a tick whose budget then
+    binds builds it on reading and charges the marginal bytes all the same."""
+    byte_map = {(0, e): 40 for e in range(8)}
+    sched = two_d(charge_mode="marginal", byte_map=byte_map, order="arrival", byte_budget=8 * 40, byte_cap=80)
+    sched.register("first", 4, union={(0, 0)}, full_bytes=40)
+    assert sched.tick(resident=set(), in_flight_union=set()).admitted_ids == ("first",)
+    sched.finish("first")
+    sched.register("a", 4, union={(0, 1), (0, 2)}, full_bytes=80)
+    sched.register("b", 4, union={(0, 2), (0, 3)}, full_bytes=80)
+    assert sched._table._masks_of[sched._queue["a"].slot] is None  # not built yet
+    # the all-fitting tick charged nothing and carried its bytes up to the cap, 80; with no new
+    # budget that is the pool: a's two experts fit, then b's one more ((0, 2) is a's) does not
+    out = sched.tick(resident={(0, 0)}, in_flight_union=set(), budget=TokensBytes(16, 0))
+    assert out.admitted_ids == ("a",) and sched._admitted["a"].charged_bytes == 80

@@ -129,6 +129,7 @@ class VerifyScheduler:
         self._last_tick_s: float | None = None
         self._masks = ExpertMasks(byte_map) if byte_map is not None and not self.token_only else None
         self._table = DemandTable(self._masks)  # rows built at registration, off the tick that charges them
+        self._all_fitting = False  # the last tick admitted every demand unread: masks wait until read
         # bytes of every expert: marginal charges of one tick never sum to more
         self._every_expert_bytes = self._masks.nbytes(self._masks.everything) if self._masks is not None else 0
 
@@ -164,7 +165,7 @@ class VerifyScheduler:
         else:
             ticket = Ticket(seq_id, self._release)
             entry = self._queue[seq_id] = _Entry(request, ticket, self._clock(), self._ticks, self._table.add())
-        self._table.set(entry.slot, tokens, expected_tokens, request.union)
+        self._table.set(entry.slot, tokens, expected_tokens, request.union, build=not self._all_fitting)
         return entry.ticket
 
     def mark_in_flight(self, seq_id: Hashable) -> None:
@@ -226,7 +227,8 @@ class VerifyScheduler:
             self.budget = budget
         seated = list(self._in_flight.values())
         pool_tokens = self.budget.tokens + self._carried.tokens - sum([e.request.tokens for e in seated])
-        if self._all_fit(pool_tokens):  # nothing to rank or charge: every waiting demand goes
+        self._all_fitting = self._all_fit(pool_tokens)
+        if self._all_fitting:  # nothing to rank or charge: every waiting demand goes
             admitted, charges = list(self._queue.values()), [0] * len(self._queue)
             self._pool = (
                 pool_tokens - sum([e.request.tokens for e in admitted]),
@@ -289,8 +291,10 @@ class VerifyScheduler:
         """Whether every waiting demand fits this tick whatever its order and charges: their
         tokens in the pool, and bytes to spare for every expert (a tick's marginal charges, the
         seated ones' included, count each expert once at most; token-only charges nothing).
-        Then nothing is ranked or charged. Every tick of the derived budgets, whose bytes are
-        every expert's and tokens every seat's block (docs/engine.md, "Derived budgets never bind")."""
+        Then nothing is ranked or charged (its whole byte pool carries, up to the cap), and the
+        demands registered after it build their masks only when a tick reads them. Every tick
+        of the derived budgets, whose bytes are every expert's and tokens every seat's block
+        (docs/engine.md, "Derived budgets never bind")."""
         if not self.token_only and self.charge_mode is not ChargeMode.MARGINAL:
             return False  # full and fetch charges count a shared expert once per demand
         if self.budget.expert_bytes + self._carried.expert_bytes < self._every_expert_bytes:
@@ -328,8 +332,8 @@ class VerifyScheduler:
         if self.token_only:
             return lambda entry: 0
         if self.charge_mode is ChargeMode.MARGINAL and covered is not None and self._masks is not None:
-            counter, masks_of = MarginalCounter(self._masks, covered), self._table.masks_of
-            return lambda entry: 0 if entry.slot in inside else counter(masks_of[entry.slot])
+            counter, mask = MarginalCounter(self._masks, covered), self._table.mask
+            return lambda entry: 0 if entry.slot in inside else counter(mask(entry.slot))
         if self.charge_mode is ChargeMode.FETCH:
             return lambda entry: entry.request.fetch_bytes
         return lambda entry: entry.request.full_bytes  # full; marginal's upper bound between ticks
