@@ -97,8 +97,8 @@ def scheduler_tick_us(
     the device cache hands the pacer), or the same keys as a plain frozenset, compared whole.
     Demands waiting `barrier_after` ticks are guarded: they lead the line, in arrival order.
     `derived`: the engine's offloaded default budgets (every seat's block, every expert's
-    bytes: every demand fits, so the tick skips the yield ranking) instead of 16 blocks and
-    200 experts a tick."""
+    bytes: every demand fits, so the tick neither ranks nor charges, and re-registrations
+    build no masks) instead of 16 blocks and 200 experts a tick."""
     byte_map = {(layer, e): EXPERT_BYTES for layer in range(LAYERS) for e in range(EXPERTS)}
     seats = (len(pending) + len(seated)) * BLOCK
     every = len(byte_map) * EXPERT_BYTES
@@ -205,7 +205,7 @@ def main() -> None:
         f"next ticks {nxt:8.1f} us median ({fastest:.1f} us fastest)"
     )
     # The engine's offloaded default (derived budgets): every waiting demand fits every tick, so
-    # the order changes nothing a tick admits and the tick skips ranking it (docs/engine.md).
+    # the order and charges change nothing a tick admits, and the tick skips them (docs/engine.md).
     first, nxt, fastest = scheduler_tick_us("yield", pending, seated, resident, args, rng, journaled=True, derived=True)
     print(
         f"  order yield   , derived budgets (all {args.pending} fit)     : first tick {first:8.1f} us median, "

@@ -129,9 +129,8 @@ def main() -> None:
         from pdflash.bench.profiles import TimeScale, get_profile
         from pdflash.bench.runner import measure_ar_step_s, token_routed_bytes
 
-        torch.set_num_threads(
-            args.threads
-        )  # the AR step at the runs' thread count (more than the free cores: 70x slower)
+        # the AR step at the runs' thread count: with more threads than free cores it read 70x slow
+        torch.set_num_threads(args.threads)
         routed = token_routed_bytes(target)
         scale = TimeScale.for_profile(
             get_profile(args.profile), ar_step_s=measure_ar_step_s(target, prompts[:4]), token_routed_bytes=routed

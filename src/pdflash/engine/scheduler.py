@@ -128,7 +128,7 @@ class VerifyScheduler:
         self._waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
         self._last_tick_s: float | None = None
         self._masks = ExpertMasks(byte_map) if byte_map is not None and not self.token_only else None
-        self._table = DemandTable(self._masks)  # rows built at registration, off the tick that charges them
+        self._table = DemandTable(self._masks)  # masks built at registration, off the tick (see `_all_fit`)
         self._all_fitting = False  # the last tick admitted every demand unread: masks wait until read
         # bytes of every expert: marginal charges of one tick never sum to more
         self._every_expert_bytes = self._masks.nbytes(self._masks.everything) if self._masks is not None else 0
