@@ -81,6 +81,7 @@ class RecordingProvider:
 
     budget_bytes = 10**12
     link_bytes_per_s = None
+    exposed_fetch_s = 0.0  # nothing to wait for
 
     def __init__(self):
         self.prefetched, self.claims, self.made, self.forwarded = [], set(), [], []

@@ -37,6 +37,8 @@ class OffloadProvider(Protocol):
 
     @property
     def link_bytes_per_s(self) -> float | None: ...  # emulated, or a real link's measured at start; None: no link
+    @property
+    def exposed_fetch_s(self) -> float: ...  # seconds forwards have waited on its copies so far
 
     # one claim per verify of one batched forward: queue route-ahead fetches, claim them; never blocks
     def prefetch_launch(self, unions: list[frozenset[ExpertKey]]) -> list[Any]: ...

@@ -321,8 +321,8 @@ class VerifyPacer:
         return self.drafts.busy_s
 
     def _exposed_fetch_s(self) -> float:
-        """Seconds forwards have waited on expert copies so far (0 without offloading, or unreported)."""
-        return float(self.provider.stats().get("exposed_fetch_s", 0.0)) if self.provider is not None else 0.0
+        """Seconds forwards have waited on expert copies so far (0 without offloading)."""
+        return self.provider.exposed_fetch_s if self.provider is not None else 0.0
 
     # -- a tick ----------------------------------------------------------------------------------
 

@@ -214,6 +214,13 @@ class OffloadedExperts:
         """The link's rate (emulated, or a real one's as measured at start); None without one."""
         return self.link.bytes_per_s
 
+    @property
+    def exposed_fetch_s(self) -> float:
+        """Seconds forwards have waited on expert copies so far: the one figure the pacer reads
+        around every verify, so read alone (a whole `snapshot` cost 40 µs a read there)."""
+        with self._cond:
+            return self._counters.exposed_fetch_s
+
     def _measure_link(self, experts: int = LINK_SAMPLE_EXPERTS) -> float | None:
         """A real (CUDA) link's rate in byte-map bytes per second: the first experts of the store
         copied into free slots on the lane's stream, as fetches copy them (the slots stay free)."""
