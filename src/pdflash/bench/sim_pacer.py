@@ -144,6 +144,7 @@ class SimPacer:
         self.sim.target.submit(
             lambda: self._verify_job(batch, riders), lambda _: self._verified(batch, riders, launched, exposed)
         )
+        self.sim.planner.refit()  # as VerifyPacer._launch: once the verify is on its lane
         self._tick_during(batch)
 
     def _tick(self, in_flight: frozenset[ExpertKey]) -> list[SimRequest]:

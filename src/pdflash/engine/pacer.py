@@ -216,6 +216,7 @@ class VerifyPacer:
         done = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._verify, batch, ride, done)
+            tg.start_soon(self._refit)  # its first step runs once the verify waits on its lane
             ticked = False
             while not done.is_set():
                 wait_s = self._gather_s([]) if not ticked and self.scheduler.pending_count() else None
@@ -227,6 +228,10 @@ class VerifyPacer:
                 with anyio.move_on_after(wait_s if wait_s is not None else float("inf")):
                     await self._changed.wait()
         self._running = []
+
+    async def _refit(self) -> None:
+        """The planner's verify fit, solved while a verify runs (SpeculationPlanner.refit)."""
+        self.planner.refit()
 
     async def _verify(self, batch: list[Sequence], ride: Ride[Sequence, SpecSession] | None, done: anyio.Event) -> None:
         started, waited = time.perf_counter(), self._exposed_fetch_s()

@@ -32,8 +32,9 @@ CALIBRATION_DECAY = 0.98  # per drafted round: the acceptance calibration rememb
 CALIBRATION_PRIOR = 4.0  # pseudo-drafts, realized as expected, behind the calibration
 STALE_VERIFIES = 10  # verifies without reaching a block position before its byte ratio starts to fade
 # verifies between two solves of the verify fit while the sizes it knows stay the same: each solve
-# costs 0.3-0.4 ms on the event loop, between a verify and the next round (3% of a plain round
-# at c = 1 behind the link), and a size's running mean moves by at most 1/20 of a surprise per verify
+# costs 0.3-0.4 ms on the event loop (3% of a plain round at c = 1 behind the link, back when it ran
+# between a verify and the next round; `refit`), and a size's running mean moves by at most 1/20 of
+# a surprise per verify
 RESOLVE_EVERY = 8
 # the verify fit's candidate column sets (0 fixed, 1 experts, 2 sequences, 3 tokens), in tie order
 COLUMN_SUBSETS = sorted(used for k in range(1, 5) for used in itertools.combinations(range(4), k))
@@ -374,9 +375,6 @@ class SpeculationPlanner:
         if compute_s is not None:
             self._fit.observe(sum(t.tokens for t in traces), compute_s, experts, len(traces))
             self._unsolved += 1
-            if (sizes := frozenset(self._fit.weights)) != self._solved_sizes or self._unsolved >= RESOLVE_EVERY:
-                self._verify_cost = self._fit.solve_routed(self.routing)
-                self._solved_sizes, self._unsolved = sizes, 0
         self._batch = _ema(self._batch, float(len(traces)))
         measured = [t for t in traces if t.position_fetch_bytes]
         for trace in measured:
@@ -399,6 +397,17 @@ class SpeculationPlanner:
             self._unreached[k] = 0 if k < reached else self._unreached[k] + 1
             if self._unreached[k] > STALE_VERIFIES and ratio.value is not None:
                 ratio.observe(further_mean, first_mean)
+
+    def refit(self) -> None:
+        """Solve the verify fit again if the verifies measured since the last solve call for it:
+        a size it did not know (priced at once), or RESOLVE_EVERY verifies of known sizes. The
+        engine calls it once the next verify is on its lane, so the solve (0.3-0.5 ms on the
+        event loop's thread, its caches cold after a forward) overlaps that forward instead of
+        sitting between a verify and the next round's launch: at c = 1 every round waits for what
+        runs there. Prices lag by one launch."""
+        if (sizes := frozenset(self._fit.weights)) != self._solved_sizes or self._unsolved >= RESOLVE_EVERY:
+            self._verify_cost = self._fit.solve_routed(self.routing)
+            self._solved_sizes, self._unsolved = sizes, 0
 
     def observe_committed(self, expected_tokens: float, committed: int) -> None:
         """A verified block of drafts committed `committed` tokens where the sequence's mean
