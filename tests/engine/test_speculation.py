@@ -263,6 +263,24 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     assert sum(planner.decisions.values()) == 201
 
 
+def test_a_greedy_sequence_drafts_when_a_draw_says_so_and_verifies_as_far_as_the_mean_says():
+    """Whether to draft: a posterior draw (exploration). How far a greedy sequence verifies once it
+    drafts: the mean estimate, because its drafter drafts the whole block anyway and every
+    position is read as a shadow draft. A sampled sequence learns only what it verifies: its
+    block stays the draw's."""
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e5)
+    planner.observe_draft(2, 0.004)
+    for _ in range(2):
+        verified(planner, [trace(4, (1000, 600, 600, 600), further=600)] * 2, 0.02)
+    seq = planner.track()
+    mean = planner.inputs(seq)
+    assert choose_block(mean).block == 2  # the mean's best block, drafting or not
+    greedy = Counter(planner.plan(seq, greedy=True) for _ in range(400))
+    sampled = Counter(planner.plan(seq) for _ in range(400))
+    assert set(greedy) == {1, 2}, greedy  # draws still decide whether to draft, not how far
+    assert {3, 4} <= set(sampled), sampled
+
+
 def test_the_verify_fit_is_solved_at_the_next_launch_when_its_sizes_change_and_every_few_verifies():
     """Solving costs 0.3-0.5 ms on the event loop: `observe_verify` only records, and `refit` (run
     by the pacer once the next verify is on its lane) solves when a size is new, and a known
@@ -377,7 +395,7 @@ async def test_short_blocks_draft_the_whole_block_and_read_the_rest_as_shadow_dr
     """A block of 2 verifies one draft; the drafter drafted all of them in its forward, and the
     rest reach the sequence as shadow drafts, read against the tokens it commits next."""
     engine = make_engine(provider=SlowLink())
-    engine.planner.plan = lambda acceptance: 2
+    engine.planner.plan = lambda acceptance, greedy=False: 2
     drafts = []
     draft_rounds = engine._work.draft_rounds  # what the drafter lane runs, recorded
     engine._work.draft_rounds = lambda batch: drafts.extend(out := draft_rounds(batch)) or out

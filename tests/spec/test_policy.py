@@ -61,6 +61,21 @@ def test_link_bound_at_concurrency_one_decodes_plainly():
     assert choice.expected_tokens == 1.0 and choice.cost_s == pytest.approx(0.111)
 
 
+def test_once_the_drafter_runs_the_best_block_of_two_or_more_is_chosen():
+    # as above: plain decoding is best, and among drafted blocks the shortest loses least
+    inputs = PolicyInputs(
+        acceptance=(0.7,) * 7,
+        prefix_fetch_bytes=tuple(b * MB for b in range(1, 9)),
+        costs=per_token(0.010, 0.001, 0.005, 10 * MB),
+    )
+    drafted = choose_block(inputs, shortest=2)
+    # b=3: (1 + 0.7 + 0.49) / (0.010 + 0.003 + 0.005 + 0.3) = 6.89 tok/s, below b=2's 7.83
+    assert drafted.block == 2 and drafted.tokens_per_s == pytest.approx(1.7 / 0.217)
+    assert drafted.rates == choose_block(inputs).rates  # the same rates, a narrower choice
+    with pytest.raises(ValueError, match="shortest must be a block length in 1..8"):
+        choose_block(inputs, shortest=9)
+
+
 def test_shared_bytes_make_short_blocks_pay_when_link_bound():
     # the second token's route is mostly the first's: 1 MB, then 0.1 MB per further position
     prefix = tuple(MB + int(0.1 * MB) * (b - 1) for b in range(1, 9))

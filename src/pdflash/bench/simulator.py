@@ -284,7 +284,7 @@ class Simulator:
     def _plan(self, q: SimRequest) -> None:
         """Ask the planner for the next block (RoundWork.plan: greedy requests follow the policy)."""
         assert q.acceptance is not None
-        q.planned = self.planner.plan(q.acceptance)
+        q.planned = self.planner.plan(q.acceptance, greedy=True)
         q.drafting = self.planner.drafted_tokens(q.planned, greedy=True)
         if q.drafting > 1:
             self.draft.submit(q)

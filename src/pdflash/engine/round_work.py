@@ -48,7 +48,7 @@ class RoundWork:
         assert seq.acceptance is not None
         if seq.params.seed is not None and not seq.params.greedy:
             return self.speculator.block_size
-        return self.planner.plan(seq.acceptance)
+        return self.planner.plan(seq.acceptance, greedy=seq.params.greedy)
 
     def draft_tokens(self, seq: Sequence) -> int:
         """Tokens the drafter makes for its planned block (the planner's rule; 1: no drafter forward)."""

@@ -309,18 +309,31 @@ class SpeculationPlanner:
 
     # -- deciding ----------------------------------------------------------------------------------
 
-    def plan(self, acceptance: SequenceAcceptance) -> int:
+    def plan(self, acceptance: SequenceAcceptance, *, greedy: bool = False) -> int:
         """The next round's block for a sequence: the policy's choice once a verify is measured.
 
-        Before that there is no compute or byte figure to weigh a draft against. With a link
-        the first rounds decode plainly, the one choice that cannot lose to autoregressive
-        decoding (a first full block in a link-bound regime fetched the union of every seat's
-        block); resident, they draft the whole block. Fixed speculation always drafts it.
+        Whether to draft at all is decided on a posterior draw of the acceptance (Thompson
+        sampling: while few rounds have drafted, draws now and then find a draft worth its cost,
+        and the drafts that follow teach the estimates). How far a greedy sequence then verifies
+        is decided on the mean: its drafter drafts the whole block whatever the verify holds and
+        every position is read against the tokens committed after it (`drafted_tokens`), so the
+        draw's optimism buys nothing a shorter verify does not learn too, and a long verify's
+        bytes are paid for an acceptance the mean does not believe in (link-bound at c = 1 the
+        draws' blocks of 7 and 8 were most of adaptive speculation's loss to plain decoding). A
+        sampled sequence learns only the positions it verifies: the draw decides its block too.
+
+        Before a verify is measured there is no compute or byte figure to weigh a draft against.
+        With a link the first rounds decode plainly, the one choice that cannot lose to
+        autoregressive decoding (a first full block in a link-bound regime fetched the union of
+        every seat's block); resident, they draft the whole block. Fixed speculation always
+        drafts it.
         """
         if not self.adaptive:
             block = self.max_block
-        elif (inputs := self.inputs(acceptance, draw=True)) is not None:
-            block = choose_block(inputs).block
+        elif (mean := self.inputs(acceptance)) is not None:
+            block = choose_block(attrs.evolve(mean, acceptance=acceptance.draw())).block
+            if block >= 2 and greedy:
+                block = choose_block(mean, shortest=2).block
         else:
             block = self.max_block if self.link_bytes_per_s is None else 1
         self.decisions[block] = self.decisions.get(block, 0) + 1
@@ -336,10 +349,10 @@ class SpeculationPlanner:
             return self.max_block
         return block
 
-    def inputs(self, acceptance: SequenceAcceptance, *, draw: bool = False) -> PolicyInputs | None:
-        """What the policy is asked, or None until a verify has been measured (a drafter not yet
-        measured costs nothing: the first draft the policy finds worth it measures it). `draw`:
-        the acceptance is a posterior draw (what `plan` decides on), else the estimate's mean."""
+    def inputs(self, acceptance: SequenceAcceptance) -> PolicyInputs | None:
+        """What the policy is asked, at the acceptance estimate's mean (`plan` also asks it at a
+        draw), or None until a verify has been measured (a drafter not yet measured costs
+        nothing: the first draft the policy finds worth it measures it)."""
         cost = self._verify_cost
         if cost is None or self._base_bytes is None:
             return None
@@ -355,7 +368,7 @@ class SpeculationPlanner:
             total += (ratio if ratio is not None else 1.0) * self._base_bytes
             prefix.append(int(total))
         return PolicyInputs(
-            acceptance=acceptance.draw() if draw else acceptance.estimate(),
+            acceptance=acceptance.estimate(),
             prefix_fetch_bytes=tuple(prefix),
             costs=RoundCosts(
                 round_s=(cost.fixed_s + (self._idle_s or 0.0)) / batch,

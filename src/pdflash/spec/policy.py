@@ -99,14 +99,17 @@ def round_cost_s(inputs: PolicyInputs, block: int) -> float:
     return c.round_s + c.block_s[block - 1] + (c.draft_s if block >= 2 else 0.0) + link_s
 
 
-def choose_block(inputs: PolicyInputs) -> BlockChoice:
-    """The b in 1..B with the most expected committed tokens per second (ties: the shorter)."""
+def choose_block(inputs: PolicyInputs, shortest: int = 1) -> BlockChoice:
+    """The b in shortest..B with the most expected committed tokens per second (ties: the
+    shorter). `shortest` = 2: how far to verify once the drafter runs anyway."""
+    if not 1 <= shortest <= inputs.max_block:
+        raise ValueError(f"shortest must be a block length in 1..{inputs.max_block}, got {shortest!r}")
     rates = []
     for b in range(1, inputs.max_block + 1):
         cost = round_cost_s(inputs, b)
         expected = expected_committed(inputs.acceptance, b, inputs.acceptance_calibration)
         rates.append(expected / cost if cost > 0 else float("inf"))
-    best = max(range(len(rates)), key=lambda i: (rates[i], -i)) + 1
+    best = max(range(shortest - 1, len(rates)), key=lambda i: (rates[i], -i)) + 1
     return BlockChoice(
         block=best,
         expected_tokens=expected_committed(inputs.acceptance, best, inputs.acceptance_calibration),
