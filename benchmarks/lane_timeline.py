@@ -94,6 +94,7 @@ def one_run(run, recipe, config, concurrency: int, max_tokens: int) -> dict:
                 drafter=list(lanes.drafter.intervals) if lanes.drafter is not None else [],
                 link=engine.provider.copy_intervals(),
                 decisions=dict(sorted(engine.planner.decisions.items())),
+                offload=engine.provider.stats(),
             )
 
     anyio.run(body)
