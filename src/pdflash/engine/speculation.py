@@ -7,8 +7,8 @@ and what a round costs in time (a verify's
 fixed and per-token seconds, fitted online from batched verifies; the drafter's seconds per
 sequence; the seconds the verify lane waits between rounds). `speculation="fixed"` always
 drafts the configured block; without a drafter every round is one token. Must not touch
-scheduling or lifecycles: the engine asks `plan` before each draft and reports each verify,
-draft and launch gap.
+scheduling or lifecycles: the engine asks `plan` before each draft, reports each verify,
+draft and launch gap, and has the verify fit solved (`refit`) while the next verify runs.
 """
 
 from __future__ import annotations
