@@ -17,7 +17,9 @@ remember their last 4,096 calls: keep runs short.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from collections.abc import Callable, Iterator
 
 import anyio
 
@@ -122,11 +124,17 @@ def report(name: str, concurrency: int, seen: dict) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_linked_run_options(parser, configs="ar,adaptive", concurrency=[16])
-    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration, interleaved (default 1)")
-    args = parser.parse_args()
+def sweep_options(parser: argparse.ArgumentParser, *, configs: str, concurrency: list[int], repeats: int) -> None:
+    """The linked-run options and `--repeats`, with these defaults."""
+    add_linked_run_options(parser, configs=configs, concurrency=concurrency)
+    parser.add_argument(
+        "--repeats", type=int, default=repeats, help=f"runs per configuration, interleaved (default {repeats})"
+    )
+
+
+def sweep(args: argparse.Namespace) -> Iterator[tuple[str, int, Callable[[], dict]]]:
+    """(configuration, concurrency, its closed-loop run to call) for each run of `args`' sweep,
+    repeats interleaved, after printing the setup's scale (the AR step, the link, the cache)."""
     configs = parse_configs(args.configs)
     run = linked_run(args, configs)
     recipe = engine_recipe(run.plan, run.scale)
@@ -137,8 +145,18 @@ def main() -> None:
     for concurrency in args.concurrency:
         for _ in range(args.repeats):
             for config in configs:
-                seen = one_run(run, recipe, config, concurrency, args.max_tokens)
-                print(report(config.name, concurrency, seen), flush=True)
+                yield (
+                    config.name,
+                    concurrency,
+                    functools.partial(one_run, run, recipe, config, concurrency, args.max_tokens),
+                )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sweep_options(parser, configs="ar,adaptive", concurrency=[16], repeats=1)
+    for name, concurrency, one in sweep(parser.parse_args()):
+        print(report(name, concurrency, one()), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,8 @@ import contextlib
 import statistics
 from collections.abc import Iterator
 
-from lane_timeline import one_run, report
+from lane_timeline import report, sweep, sweep_options
 
-from pdflash.bench.configs import parse_configs
-from pdflash.bench.runner import add_linked_run_options, engine_recipe, linked_run
 from pdflash.engine.speculation import SpeculationPlanner
 from pdflash.spec.policy import choose_block, expected_committed
 
@@ -62,36 +60,29 @@ def mean_of(rows: list[tuple], column: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_linked_run_options(parser, configs="adaptive", concurrency=[4])
-    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, interleaved (default 2)")
-    args = parser.parse_args()
-    configs = parse_configs(args.configs)
-    run = linked_run(args, configs)
-    recipe = engine_recipe(run.plan, run.scale)
-    for concurrency in args.concurrency:
-        for _ in range(args.repeats):
-            for config in configs:
-                planned: dict[int, list[tuple]] = collections.defaultdict(list)
-                verified: dict[int, list[tuple]] = collections.defaultdict(list)
-                with recorded(planned, verified):
-                    seen = one_run(run, recipe, config, concurrency, args.max_tokens)
-                print(report(config.name, concurrency, seen), flush=True)
-                tokens = sum(len(v) * mean_of(v, 0) for v in verified.values())
-                cache = seen["offload"]
-                print(
-                    f"  fetched per token committed: {cache['miss_bytes'] / tokens / 1e3:.0f} kB on demand, "
-                    f"{cache['prefetch_bytes'] / tokens / 1e3:.0f} kB prefetched, of them "
-                    f"{cache['prefetch_waste_bytes'] / tokens / 1e3:.0f} kB evicted unused",
-                    flush=True,
-                )
-                for block in sorted(set(planned) | set(verified)):
-                    p, v = planned.get(block, []), verified.get(block, [])
-                    print(
-                        f"  b={block}: planned {len(p)}, expected {mean_of(p, 0):.2f} tokens, "
-                        f"{mean_of(p, 1) / 1e3:.0f} kB, rate / plain {mean_of(p, 2):.3f} | verified {len(v)}, "
-                        f"τ {mean_of(v, 0):.2f}, {mean_of(v, 1) / 1e3:.0f} kB",
-                        flush=True,
-                    )
+    sweep_options(parser, configs="adaptive", concurrency=[4], repeats=2)
+    for name, concurrency, one in sweep(parser.parse_args()):
+        planned: dict[int, list[tuple]] = collections.defaultdict(list)
+        verified: dict[int, list[tuple]] = collections.defaultdict(list)
+        with recorded(planned, verified):
+            seen = one()
+        print(report(name, concurrency, seen), flush=True)
+        tokens = sum(len(v) * mean_of(v, 0) for v in verified.values())
+        cache = seen["offload"]
+        print(
+            f"  fetched per token committed: {cache['miss_bytes'] / tokens / 1e3:.0f} kB on demand, "
+            f"{cache['prefetch_bytes'] / tokens / 1e3:.0f} kB prefetched, of them "
+            f"{cache['prefetch_waste_bytes'] / tokens / 1e3:.0f} kB evicted unused",
+            flush=True,
+        )
+        for block in sorted(set(planned) | set(verified)):
+            p, v = planned.get(block, []), verified.get(block, [])
+            print(
+                f"  b={block}: planned {len(p)}, expected {mean_of(p, 0):.2f} tokens, "
+                f"{mean_of(p, 1) / 1e3:.0f} kB, rate / plain {mean_of(p, 2):.3f} | verified {len(v)}, "
+                f"τ {mean_of(v, 0):.2f}, {mean_of(v, 1) / 1e3:.0f} kB",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
