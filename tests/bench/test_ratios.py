@@ -50,6 +50,19 @@ def test_each_repeat_is_divided_by_the_best_baseline_of_that_repeat():
     assert "| adaptive / max(B0, B1, B2) | 0.92 [0.90–1.00] |" in ratio_table([ratio])
 
 
+def test_resident_adaptive_is_compared_with_fixed_blocks_and_with_the_better_of_those_and_plain():
+    points = [
+        _point("resident-ar", 16, [12.0, 9.0]),
+        _point("resident", 16, [10.0, 10.0]),
+        _point("resident-adaptive", 16, [9.0, 11.0]),
+    ]
+    ratios = {r.name: r.ratios for r in paired_ratios(points)}
+    assert ratios == {
+        "resident-adaptive / resident (B=8)": pytest.approx((0.9, 1.1)),
+        "resident-adaptive / max(B3p, B3) (plain, B=8)": pytest.approx((0.75, 1.1)),  # best: 12 plain, then 10
+    }
+
+
 def test_comparisons_need_their_numerator_a_baseline_and_as_many_repeats():
     points = [
         _point("adaptive", 4, [5.0, 6.0]),

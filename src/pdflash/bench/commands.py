@@ -40,7 +40,7 @@ def _common(p: argparse.ArgumentParser, concurrency: list[int], configs: str) ->
         "B0 ar = autoregressive offloaded, B1 dflash-token = DFlash token-only scheduling, "
         "B2 dflash-2d = DFlash 2-D (tokens, bytes) scheduling, B3 resident = DFlash, no offloading; "
         "B2d dflash-derived = working-set budgets + yield order, B4 adaptive = the engine's "
-        "defaults (adaptive speculation + B2d's scheduling), B4t adaptive-token, B3a resident-adaptive; "
+        "defaults (adaptive speculation + B2d's scheduling), B4t adaptive-token, B3a resident-adaptive, B3p resident-ar (plain decoding, resident); "
         "NAME@PROJECTOR picks the route projector, e.g. dflash-2d@router,dflash-2d@route-head)",
     )
     p.add_argument(

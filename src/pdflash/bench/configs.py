@@ -44,6 +44,8 @@ CONFIGS = {
             verify_order="arrival",
         ),
         BenchConfig(name="resident", label="B3", speculative=True, offloaded=False, two_dimensional=False),
+        # plain decoding with every expert resident: what resident speculation must not lose to
+        BenchConfig(name="resident-ar", label="B3p", speculative=False, offloaded=False, two_dimensional=False),
         BenchConfig(
             name="dflash-derived", label="B2d", speculative=True, offloaded=True, two_dimensional=True, derived=True
         ),

@@ -1,7 +1,8 @@
 """The sweep's comparisons as paired ratios: each repeat's tokens/s against the same repeat's baseline.
 
 Owns which configurations the issues compare (adaptive against the best of plain decoding and
-fixed-block DFlash, the 2-D scheduler against token-only, resident adaptive against resident)
+fixed-block DFlash, the 2-D scheduler against token-only, resident adaptive against resident
+fixed blocks and against the better of those and resident plain decoding)
 and how: a sweep's repeat r runs every configuration once, back to back on the same machine
 (pdflash.bench.runner.sweep), so the ratio of two configurations' r-th runs shares that
 repeat's load, and the spread of those ratios over the repeats is the noise of the comparison
@@ -25,6 +26,7 @@ COMPARISONS = (
     ("adaptive / adaptive-token (2-D / token-only)", "adaptive", ("adaptive-token",)),
     ("dflash-2d / dflash-token (2-D / token-only)", "dflash-2d", ("dflash-token",)),
     ("resident-adaptive / resident (B=8)", "resident-adaptive", ("resident",)),
+    ("resident-adaptive / max(B3p, B3) (plain, B=8)", "resident-adaptive", ("resident-ar", "resident")),
 )
 
 
