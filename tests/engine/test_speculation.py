@@ -448,7 +448,7 @@ def test_a_draft_that_first_catches_up_on_skipped_context_is_not_timed(loaded, d
     work = RoundWork(spec, planner)
     [session] = spec.begin_sessions([(PROMPTS[1], SamplingParams(max_tokens=40))])
     seq = SimpleNamespace(session=session, planned_block=1, planned_draft=1)  # a Sequence stand-in: what the lane reads
-    while session.context is None or session.context.shape[0] <= spec.block_size:
+    while session.unseen_tokens <= spec.block_size:
         work.draft_rounds([seq])  # plain rounds: the drafter skipped, its unseen context grows
         spec.verify_rounds([session])
     seq.planned_block = seq.planned_draft = spec.block_size

@@ -60,7 +60,9 @@ class RoundWork:
         pairs = [(s, s.session) for s in batch if s.session is not None]
         # a session that skipped the drafter for a while first catches up on its unseen context: a
         # one-off cost, not what drafting every round costs, so such batches are not timed
-        steady = all(_unseen(session) <= self.speculator.block_size for s, session in pairs if s.planned_draft >= 2)
+        steady = all(
+            session.unseen_tokens <= self.speculator.block_size for s, session in pairs if s.planned_draft >= 2
+        )
         started = time.perf_counter()
         drafts = self.speculator.draft_rounds(
             [session for _, session in pairs], [s.planned_block for s, _ in pairs], [s.planned_draft for s, _ in pairs]
@@ -68,11 +70,6 @@ class RoundWork:
         if steady:
             self.planner.observe_draft(sum(d.drafted for d in drafts), time.perf_counter() - started)
         return drafts
-
-
-def _unseen(session: SpecSession) -> int:
-    """Target tokens the drafter has not yet seen (context it processes before drafting)."""
-    return session.context.shape[0] if session.context is not None else 0
 
 
 def _snapshot(seq: Sequence) -> Any:

@@ -103,7 +103,7 @@ class Speculator:
             generator=generator,
             target_cache=cache,
             draft_cache=self.drafter.new_cache() if self.drafter else None,
-            context=taps,
+            context=(taps,) if taps is not None else (),
             anchor=first,
             start=len(prompt),
             emitted=kept,
@@ -205,15 +205,15 @@ class Speculator:
         noisy, contexts, caches = [], [], []
         for i in drafting:
             s = sessions[i]
-            if s.context is None or s.draft_cache is None:
+            if not s.context or s.draft_cache is None:
                 raise RoundOrderError("draft_round on a session with no new target context (rounds out of order)")
             noisy.append(torch.cat([blocks[i], torch.full((sizes[i] - 1,), mask, dtype=torch.int64)]))
-            contexts.append(s.context)
+            contexts.append(s.unseen_context())
             caches.append(s.draft_cache)
         logits = self.drafter.draft_logits(contexts, noisy, caches)
         for i, lg in zip(drafting, logits, strict=True):
             s = sessions[i]
-            s.context = None
+            s.context = ()
             drafts, probs[i] = rejection.propose(
                 lg, s.params, s.generator, prompt_ids=s.prompt_ids, output_ids=s.emitted, stop_ids=s.rule.stop_ids
             )
@@ -370,8 +370,7 @@ class Speculator:
         s.emitted += kept
         s.target_cache.crop(s.start + accepted + 1)
         if taps is not None:  # a session that skipped the drafter still holds unseen context
-            fresh = taps[: accepted + 1]
-            s.context = fresh if s.context is None else torch.cat([s.context, fresh])
+            s.context = (*s.context, taps[: accepted + 1].clone())  # a copy: a view would hold the batch's taps
         actual = routed_union(routed, self.target.config.moe_layer_ids)
         pending = _pending_draft(s)
         trace = RoundTrace(
@@ -407,7 +406,7 @@ class Speculator:
         session.target_cache.release()
         if session.draft_cache is not None:
             session.draft_cache.release()
-        session.context = None
+        session.context = ()
         session.pending = None
 
 
