@@ -181,11 +181,19 @@ class VerifyPacer:
         would run after them anyway, so waiting for them costs the lane nothing, and while
         drafts are queued or running there the launch waits for them however long they take
         (each ends in a registration or an exit, and either wakes the pacer).
+
+        A sequence whose last round was plain is expected to plan a plain round again: no
+        drafter call, its demand due after the loop's hand-offs alone (the planner's measured
+        seconds between rounds). Counted as a draft, a resident batch launched without the
+        plain rounds that had just ended, and two cohorts of plain rounds took turns on the
+        lane for good once drafting had split them (c = 16: 692 launches of 8 where plain
+        decoding made 383 of 15).
         """
         link = self.provider.link_bytes_per_s if self.provider is not None else None
-        coming = sum(_drafting(s) for s in self._seqs.values())
+        coming = [s for s in self._seqs.values() if _drafting(s)]
         if not coming:
             return 0.0
+        drafts = sum(s.planned_block >= 2 for s in coming)
         busy = {id(s) for s in self._running} | {id(s) for s in self._next}
         waiting = batch + [s for s in self._seqs.values() if _awaiting_admission(s) and id(s) not in busy]
         if not waiting:
@@ -195,7 +203,7 @@ class VerifyPacer:
             prefetching = frozenset().union(*(s.draft.expert_union for s in batch if s.draft is not None))
             copying_s = self.speculator.union_bytes(prefetching - self.provider.resident()) / link
         drafting_since = max(self._ended_at, *(s.drafted_at for s in waiting))
-        drafts_due = drafting_since + self.planner.draft_call_s(coming)
+        drafts_due = drafting_since + (self.planner.draft_call_s(drafts) if drafts else self.planner.idle_s)
         wait_s = max(0.0, copying_s, drafts_due - time.perf_counter())
         if self.drafts.lane is self.lane:
             return math.inf if self.drafts.working else wait_s  # drafts ahead of any verify on this lane

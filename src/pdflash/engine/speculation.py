@@ -300,6 +300,12 @@ class SpeculationPlanner:
         return self._accepted_drafts / self._expected_drafts
 
     @property
+    def idle_s(self) -> float:
+        """Seconds the verify lane waits between a sequence's rounds beyond drafting, as measured
+        (`observe_idle`; 0 before any)."""
+        return self._idle_s or 0.0
+
+    @property
     def draft_s(self) -> float:
         """Drafter seconds per drafted sequence, as measured (0 before any draft)."""
         return self._draft_s or 0.0
