@@ -24,16 +24,16 @@ def _trace(tokens: int) -> RoundTrace:
 
 
 def _measured_planner() -> SpeculationPlanner:
-    """Resident: a verify's fixed seconds 4 ms (+ 1 ms a token), a drafter call 4 ms + 1 ms a
-    sequence, 1 ms of hand-offs between rounds."""
+    """Resident: a verify's fixed seconds 0.4 s (+ 10 ms a token), a drafter call 0.4 s + 0.1 s a
+    sequence, 0.1 s of hand-offs between rounds (slow, so no pause of the test's host decides it)."""
     planner = SpeculationPlanner("adaptive", 8, link_bytes_per_s=None)
     for tokens in (1, 8) * 3:
-        planner.observe_verify([_trace(tokens)], 0.004 + 0.001 * tokens)
+        planner.observe_verify([_trace(tokens)], 0.4 + 0.01 * tokens)
         planner.refit()
     for sequences in (1, 4) * 2:
-        planner.observe_draft(sequences, 0.004 + 0.001 * sequences)
-    planner.observe_idle(0.001)
-    assert planner.verify_fixed_s == pytest.approx(0.004) and planner.draft_call_s(4) == pytest.approx(0.008)
+        planner.observe_draft(sequences, 0.4 + 0.1 * sequences)
+    planner.observe_idle(0.1)
+    assert planner.verify_fixed_s == pytest.approx(0.4) and planner.draft_call_s(4) == pytest.approx(0.8)
     return planner
 
 
@@ -52,8 +52,8 @@ def _seq(last_block: int, *, ended: bool) -> SimpleNamespace:
 def test_a_launch_waits_for_rounds_just_ended_if_plain_not_for_drafts_due_past_a_verifys_fixed_seconds(
     last_block, waits
 ):
-    """Counted as drafts due in a drafter call's seconds (8 ms for four, past the verify's fixed
-    4 ms), plain rounds that had just ended were left to a second launch, and once drafting had
+    """Counted as drafts due in a drafter call's seconds (0.8 s for four, past the verify's fixed
+    0.4 s), plain rounds that had just ended were left to a second launch, and once drafting had
     split the sequences into two cohorts, plain decoding kept taking turns on the lane (resident
     adaptive at c = 16 on the bundled pair: 692 launches of 8 where plain decoding made 383 of 15)."""
     planner = _measured_planner()
@@ -66,4 +66,4 @@ def test_a_launch_waits_for_rounds_just_ended_if_plain_not_for_drafts_due_past_a
     pacer._ended_at = time.perf_counter()
     wait_s = pacer._gather_s(admitted)
     assert (wait_s > 0) == waits, wait_s
-    assert wait_s <= 0.001  # never past the hand-offs it expects
+    assert wait_s <= 0.1  # never past the hand-offs it expects
