@@ -47,6 +47,15 @@ def verified(planner: SpeculationPlanner, traces: list[RoundTrace], *measured) -
     planner.refit()
 
 
+def planned(planner: SpeculationPlanner, seq, rounds: int, **kwargs) -> Counter[int]:
+    """The blocks one sequence plans over `rounds` rounds, a new draw each (as a verify brings)."""
+    chosen: Counter[int] = Counter()
+    for _ in range(rounds):
+        planner.acceptance.next_draw()
+        chosen[planner.plan(seq, **kwargs)] += 1
+    return chosen
+
+
 def test_the_compute_fit_recovers_fixed_and_per_token_seconds():
     fit = _ComputeFit()
     assert fit.solve() is None
@@ -258,7 +267,7 @@ def test_until_it_has_measured_the_planner_decodes_plainly_with_a_link_and_draft
     # measured: the policy decides (cheap positions, 0.6 acceptance: the whole block, not the unmeasured
     # 1), on posterior draws that scatter around that choice while so little has been observed
     assert choose_block(inputs).block == 4
-    chosen = Counter(planner.plan(seq) for _ in range(200))
+    chosen = planned(planner, seq, 200)
     assert chosen.most_common(1)[0][0] == 4 and len(chosen) > 1, chosen
     assert sum(planner.decisions.values()) == 201
 
@@ -275,8 +284,8 @@ def test_a_greedy_sequence_drafts_when_a_draw_says_so_and_verifies_as_far_as_the
     seq = planner.track()
     mean = planner.inputs(seq)
     assert choose_block(mean).block == 2  # the mean's best block, drafting or not
-    greedy = Counter(planner.plan(seq, greedy=True) for _ in range(400))
-    sampled = Counter(planner.plan(seq) for _ in range(400))
+    greedy = planned(planner, seq, 400, greedy=True)
+    sampled = planned(planner, seq, 400)
     assert set(greedy) == {1, 2}, greedy  # draws still decide whether to draft, not how far
     assert {3, 4} <= set(sampled), sampled
 
@@ -363,6 +372,22 @@ def test_the_acceptance_calibration_follows_what_drafted_rounds_realized():
     for _ in range(200):  # and it recovers when drafts accept as expected again
         planner.observe_committed(expected_tokens=3.0, committed=3)
     assert planner.acceptance_calibration == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_sequences_planning_between_two_verifies_decide_on_one_draw():
+    """Alike sequences decide alike within a round of planning (a batch priced as if all chose as
+    one does stays whole); the next verify brings a new draw, so over rounds they still explore."""
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e5)
+    planner.observe_draft(2, 0.004)
+    for _ in range(2):
+        verified(planner, [trace(4, (1000, 600, 600, 600), further=600)] * 2, 0.02)
+    seqs = [planner.track() for _ in range(4)]
+    rounds = []
+    for _ in range(100):
+        rounds.append({planner.plan(seq) for seq in seqs})
+        verified(planner, [trace(1, (1000,), further=600)] * 4, 0.02)
+    assert all(len(blocks) == 1 for blocks in rounds), rounds  # every round: one block for all four
+    assert len(set().union(*rounds)) > 1, rounds  # across rounds, the draws differ
 
 
 def test_fixed_speculation_never_asks_the_policy():

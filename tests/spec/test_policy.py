@@ -174,6 +174,7 @@ def test_a_run_of_rejections_backs_off_and_recovery_follows_acceptance():
     seq = model.for_sequence()
 
     def block() -> int:
+        model.next_draw()  # a round: the engine's verifies bring a new draw
         return choose_block(PolicyInputs(acceptance=seq.draw(), prefix_fetch_bytes=(0,) * 8, costs=costs)).block
 
     assert block() > 1  # the prior is worth speculating on
@@ -210,7 +211,11 @@ def test_the_global_prior_carries_what_other_sequences_saw():
 
 
 def _draws(model: AcceptanceModel, n: int) -> list[tuple[float, ...]]:
-    return [model.global_draw() for _ in range(n)]
+    out = []
+    for _ in range(n):
+        model.next_draw()
+        out.append(model.global_draw())
+    return out
 
 
 def test_posterior_draws_center_on_the_estimate_and_narrow_as_trials_accumulate():
@@ -232,6 +237,11 @@ def test_posterior_draws_center_on_the_estimate_and_narrow_as_trials_accumulate(
         return math.sqrt(sum((x - mean) ** 2 for x in first) / len(first))
 
     assert spread(few) > 3 * spread(many)
+    model = AcceptanceModel(4)
+    assert model.global_draw() is model.global_draw()  # one round of planning, one draw
+    first = model.global_draw()
+    model.next_draw()
+    assert model.global_draw() != first
     # one seed, the same draws: a simulation replays the engine's decisions
     assert AcceptanceModel(4, seed=3).global_draw() == AcceptanceModel(4, seed=3).global_draw()
     assert AcceptanceModel(4, seed=3).global_draw() != AcceptanceModel(4, seed=4).global_draw()
@@ -246,10 +256,12 @@ def test_draws_probe_while_uncertain_and_stop_where_no_draw_can_pay():
 
     def drafted_share(model: AcceptanceModel, costs: RoundCosts, fetch: tuple[int, ...]) -> float:
         seq = model.for_sequence()
-        blocks = [
-            choose_block(PolicyInputs(acceptance=seq.draw(), prefix_fetch_bytes=fetch, costs=costs)).block
-            for _ in range(1000)
-        ]
+        blocks = []
+        for _ in range(1000):
+            model.next_draw()
+            blocks.append(
+                choose_block(PolicyInputs(acceptance=seq.draw(), prefix_fetch_bytes=fetch, costs=costs)).block
+            )
         return sum(b > 1 for b in blocks) / len(blocks)
 
     per_position = tuple(b * MB // 5 for b in range(1, 9))  # 0.02 s of link per position

@@ -320,7 +320,8 @@ class SpeculationPlanner:
 
         Whether to draft at all is decided on a posterior draw of the acceptance (Thompson
         sampling: while few rounds have drafted, draws now and then find a draft worth its cost,
-        and the drafts that follow teach the estimates). How far a greedy sequence then verifies
+        and the drafts that follow teach the estimates); the sequences planning between two
+        verifies share one draw, so alike ones draft or decode plainly together. How far a greedy sequence then verifies
         is decided on the mean: its drafter drafts the whole block whatever the verify holds and
         every position is read against the tokens committed after it (`drafted_tokens`), so a
         short verify learns every position's acceptance as a long one does, and a long verify's
@@ -393,6 +394,7 @@ class SpeculationPlanner:
         """A batched verify of `traces` took `compute_s` seconds of compute (link waits excluded;
         None: its forward also prefilled prompts, so its seconds are not a verify's) and routed
         `experts` distinct (layer, expert) pairs."""
+        self.acceptance.next_draw()
         if compute_s is not None:
             self._fit.observe(sum(t.tokens for t in traces), compute_s, experts, len(traces))
             self._unsolved += 1

@@ -14,7 +14,8 @@ policy probes the blocks that might pay; as observations accumulate they narrow 
 and where even a generous draw cannot make a draft pay (a slow link at one sequence) it stops
 probing altogether. Deciding on the mean instead left the policy where its first few probes put
 it: below the break-even it never drafted again to learn otherwise (resident, concurrency 1:
-plain decoding at 0.79x the whole block's tokens/s).
+plain decoding at 0.79x the whole block's tokens/s). The sequences that plan between two
+verifies decide on one draw (`AcceptanceModel.next_draw`): alike, they decide alike.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class AcceptanceModel:
         self.positions = max_block - 1
         self._global = _Counts.empty(self.positions)
         self._rng = random.Random(seed)  # the draws: one seed, the same decisions for the same observations
+        self._draw: tuple[float, ...] | None = None  # [B-1]: the draw of this round of planning, once drawn
 
     def global_estimate(self) -> tuple[float, ...]:
         """[B-1]: the pooled estimate. Position 1 is shrunk toward the prior, each later one toward
@@ -89,10 +91,27 @@ class AcceptanceModel:
             out.append(toward)
         return tuple(out)
 
+    def next_draw(self) -> None:
+        """A new round of planning: the sequences that plan from now on decide on a new draw.
+
+        Every sequence planning between two verifies decides on the same draw of the pooled
+        estimate (behind its own counts). The policy prices a block as if the batch's other
+        sequences chose as this one does, and with one draw each, sequences alike split at
+        random into drafting and plain halves whenever the two choices' rates are close: each
+        half pays its own verifies and drafter calls, and the mix ran slower than either choice
+        alone (resident, c = 4: adaptive 588 tok/s, plain 760, blocks of 8 668)."""
+        self._draw = None
+
     def global_draw(self) -> tuple[float, ...]:
-        """[B-1]: one draw from the pooled estimate's posterior: each position a Beta over its decayed
-        successes and failures behind `prior_weight` pseudo-trials of the draw before it (position 1:
-        of the prior). Its mean is `global_estimate`; its spread shrinks as trials accumulate."""
+        """[B-1]: this round of planning's draw from the pooled estimate's posterior (drawn at the
+        first call after `next_draw`): each position a Beta over its decayed successes and failures
+        behind `prior_weight` pseudo-trials of the draw before it (position 1: of the prior). Its
+        mean is `global_estimate`; its spread shrinks as trials accumulate."""
+        if self._draw is None:
+            self._draw = self._new_draw()
+        return self._draw
+
+    def _new_draw(self) -> tuple[float, ...]:
         out: list[float] = []
         toward = self.prior.prior
         w = self.prior.prior_weight
