@@ -390,6 +390,24 @@ def test_the_sequences_planning_between_two_verifies_decide_on_one_draw():
     assert len(set().union(*rounds)) > 1, rounds  # across rounds, the draws differ
 
 
+def test_a_rounds_prices_are_kept_until_the_next_measurement_and_no_longer():
+    """The sequences of a batch plan on one set of prices; each measurement that moves them (a
+    verify, its refit, a drafter call, a launch gap) is in the next sequence's inputs."""
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
+    for _ in range(2):
+        verified(planner, [trace(1, (1000,), further=300)] * 2, 0.02)
+    seq = planner.track()
+    first = planner.inputs(seq)
+    assert planner.inputs(planner.track()).costs is first.costs  # built once for the round
+    planner.observe_idle(0.010)
+    idle = planner.inputs(seq)
+    assert idle.costs.round_s == pytest.approx(first.costs.round_s + 0.010 / 2)
+    planner.observe_draft(2, 0.004)
+    assert planner.inputs(seq).costs.draft_s > idle.costs.draft_s == 0
+    verified(planner, [trace(1, (3000,), further=300)] * 2, 0.02)
+    assert planner.inputs(seq).prefix_fetch_bytes[0] > first.prefix_fetch_bytes[0]
+
+
 def test_fixed_speculation_never_asks_the_policy():
     planner = SpeculationPlanner("fixed", 4, link_bytes_per_s=None)
     planner.observe_draft(1, 0.004)

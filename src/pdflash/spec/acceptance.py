@@ -79,11 +79,17 @@ class AcceptanceModel:
         self._global = _Counts.empty(self.positions)
         self._rng = random.Random(seed)  # the draws: one seed, the same decisions for the same observations
         self._draw: tuple[float, ...] | None = None  # [B-1]: the draw of this round of planning, once drawn
+        self._estimate: tuple[float, ...] | None = None  # [B-1]: `global_estimate` since the last observation
 
     def global_estimate(self) -> tuple[float, ...]:
         """[B-1]: the pooled estimate. Position 1 is shrunk toward the prior, each later one toward
         the estimate before it: a position no round has reached yet is believed to accept as the
         last one observed does (short blocks never see the later positions at all)."""
+        if self._estimate is None:
+            self._estimate = self._pooled()
+        return self._estimate
+
+    def _pooled(self) -> tuple[float, ...]:
         out: list[float] = []
         toward = self.prior.prior
         for s, t in zip(self._global.successes, self._global.trials, strict=True):
@@ -128,6 +134,7 @@ class AcceptanceModel:
         if block >= 2:  # it forgets as it learns: with nobody drafting, it keeps what it knew
             self._global.decay(self.prior.global_decay)
             self._global.observe(block, accepted_drafts)
+            self._estimate = None
 
 
 class SequenceAcceptance:
