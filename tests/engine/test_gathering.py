@@ -67,3 +67,25 @@ def test_a_launch_waits_for_rounds_just_ended_if_plain_not_for_drafts_due_past_a
     wait_s = pacer._gather_s(admitted)
     assert (wait_s > 0) == waits, wait_s
     assert wait_s <= 0.1  # never past the hand-offs it expects
+
+
+def test_cohorts_taking_turns_still_teach_the_planner_what_plain_rounds_hand_off_in():
+    """The seconds between rounds were measured only when a launch held sequences of the one
+    before: once plain rounds had split into cohorts taking turns (prompts prefilled one by one,
+    or drafting for a while), none was, the estimate stayed 0 and no launch ever waited for the
+    other cohort again (resident adaptive at c = 16 on the bundled pair, prompts prefilled alone:
+    1,127 launches of 11, 4 and 1 against plain decoding's 383 of 16). Each plain round's own
+    hand-off, from its verify's end to its demand, is measured whatever launched in between."""
+    planner = SpeculationPlanner("adaptive", 8, link_bytes_per_s=None)
+    pacer = VerifyPacer(None, None, object(), None, None, {}, planner, SimpleNamespace(lane=object()), None)
+    pacer._last_ids = {"other cohort"}
+    ended = time.perf_counter() - 1.0
+    batch = [
+        SimpleNamespace(request_id=i, planned_draft=1, verified_at=ended, drafted_at=ended + handoff_s)
+        for i, handoff_s in enumerate((0.02, 0.05))
+    ]
+    pacer._observe_gap(batch)
+    assert planner.idle_s == pytest.approx(0.05)  # the batch waited for its slowest hand-off
+    drafted = [SimpleNamespace(request_id=9, planned_draft=8, verified_at=ended, drafted_at=ended + 0.5)]
+    pacer._observe_gap(drafted)  # a drafted round's gap is its drafter's, priced apart
+    assert planner.idle_s == pytest.approx(0.05)

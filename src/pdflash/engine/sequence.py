@@ -88,6 +88,7 @@ class Sequence:
     first_token_at: float | None = None
     prefill_held: bool = False  # its seat waited for a sequence about to leave (pdflash.engine.seating)
     drafted_at: float = 0.0  # perf_counter seconds when its pending demand was registered
+    verified_at: float = 0.0  # perf_counter seconds when its last verify ended (0: none yet)
     admission_wait_s: float = 0.0
     ticket: Ticket | None = None  # admission ticket of its pending verify demand
     verify_done: anyio.Event = attrs.Factory(anyio.Event)  # its admitted verify ended (a new one per round)
