@@ -323,12 +323,13 @@ class SpeculationPlanner:
         Whether to draft at all is decided on a posterior draw of the acceptance (Thompson
         sampling: while few rounds have drafted, draws now and then find a draft worth its cost,
         and the drafts that follow teach the estimates); the sequences planning between two
-        verifies share one draw, so alike ones draft or decode plainly together. How far a greedy sequence then verifies
-        is decided on the mean: its drafter drafts the whole block whatever the verify holds and
-        every position is read against the tokens committed after it (`drafted_tokens`), so a
-        short verify learns every position's acceptance as a long one does, and a long verify's
-        bytes are paid for an acceptance the mean does not believe in (link-bound at c = 1 the
-        draws' blocks of 7 and 8 were most of adaptive speculation's loss to plain decoding).
+        verifies share one draw, so alike ones draft or decode plainly together. How far a greedy
+        sequence then verifies is decided on the mean: its drafter drafts the whole block whatever
+        the verify holds and every position is read against the tokens committed after it
+        (`drafted_tokens`), so a short verify learns every position's acceptance as a long one
+        does, and a long verify's bytes are paid for an acceptance the mean does not believe in
+        (link-bound at c = 1 the draws' blocks of 7 and 8 were most of adaptive speculation's
+        loss to plain decoding).
         What a position adds on the link is measured only where verifies reach it; unreached,
         its price fades toward what one more token adds (`observe_verify`). A sampled sequence
         learns only the positions it verifies: the draw decides its block too.
