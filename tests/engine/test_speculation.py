@@ -13,6 +13,8 @@ from test_engine import GREEDY, PROMPTS, SlowLink
 from pdflash.engine.round_work import RoundWork
 from pdflash.engine.speculation import (
     COLUMN_SUBSETS,
+    REALIZED_ROUNDS,
+    REALIZED_STALE,
     RESOLVE_EVERY,
     RoutingShape,
     SpeculationPlanner,
@@ -406,6 +408,60 @@ def test_a_rounds_prices_are_kept_until_the_next_measurement_and_no_longer():
     assert planner.inputs(seq).costs.draft_s > idle.costs.draft_s == 0
     verified(planner, [trace(1, (3000,), further=300)] * 2, 0.02)
     assert planner.inputs(seq).prefix_fetch_bytes[0] > first.prefix_fetch_bytes[0]
+
+
+REALIZED_ROUNDS_NEEDED = 40  # rounds of one kind whose decayed count passes REALIZED_ROUNDS
+
+
+def drafting_planner() -> tuple[SpeculationPlanner, object]:
+    """A resident planner whose fitted costs and acceptance make a block of 4 its choice."""
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=None, routing=BUNDLED)
+    planner.observe_draft(1, 0.001)
+    for tokens in (1, 4, 1, 4):
+        verified(planner, [trace(tokens, (0,) * tokens)] * 4, 0.010 + 0.0002 * tokens)
+    seq = planner.track()
+    for _ in range(30):
+        seq.observe(4, 3)  # every draft accepted
+    assert choose_block(planner.inputs(seq)).block == 4
+    return planner, seq
+
+
+def test_realized_rounds_keep_a_planner_plain_where_its_blocks_commit_less_per_second():
+    """Fitted costs can favour blocks that, every sequence drafting, commit fewer tokens per second
+    than plain rounds did (c = 32 resident on the bundled pair: 791 tok/s drafting, 934 plain): the
+    rounds' realized rates overrule the fit until the blocks' rate is stale."""
+    planner, seq = drafting_planner()
+    for _ in range(40):
+        planner.observe_round(1, 1, 0.020)  # plain: 50 tokens/s a sequence
+        planner.observe_round(4, 3, 0.080)  # blocks: 37.5
+    assert planner.drafting_loses
+    assert set(planned(planner, seq, 50, greedy=True)) == {1} and planner.vetoed == 50
+    for _ in range(REALIZED_STALE - 1):
+        planner.observe_round(1, 1, 0.020)
+    assert planner.drafting_loses  # the blocks' rate still stands
+    planner.observe_round(1, 1, 0.020)
+    assert not planner.drafting_loses  # stale: dropped, so the policy drafts and measures again
+    assert set(planned(planner, seq, 50, greedy=True)) == {4}
+
+
+def test_realized_rounds_leave_the_policy_be_where_blocks_commit_more_per_second():
+    planner, seq = drafting_planner()
+    for _ in range(REALIZED_ROUNDS_NEEDED):
+        planner.observe_round(1, 1, 0.020)
+    assert not planner.drafting_loses  # no block measured: nothing to compare
+    for _ in range(REALIZED_ROUNDS_NEEDED):
+        planner.observe_round(4, 3, 0.040)  # 75 tokens/s against 50
+    assert not planner.drafting_loses
+    assert set(planned(planner, seq, 50, greedy=True)) == {4} and planner.vetoed == 0
+
+
+def test_a_few_rounds_are_not_yet_a_realized_rate():
+    planner, _ = drafting_planner()
+    assert REALIZED_ROUNDS > 10
+    for _ in range(10):
+        planner.observe_round(1, 1, 0.010)
+        planner.observe_round(4, 1, 1.0)
+    assert not planner.drafting_loses
 
 
 def test_fixed_speculation_never_asks_the_policy():

@@ -219,8 +219,12 @@ class SimPacer:
         further = further_token_bytes(residents, routes, nbytes) if known else [0] * len(batch)
         traces = [self._trace(r, p, f) for r, p, f in zip(rounds, positions, further, strict=True)]
         self._claim_next_anchors(batch, rounds)
-        for q in batch:
+        alike = len({r.tokens >= 2 for r in rounds}) == 1
+        for q, r in zip(batch, rounds, strict=True):
             self.sim.scheduler.finish(q.rid)
+            if alike and q.verified_at:  # as VerifyPacer._verify: its round since its last verify ended
+                self.sim.planner.observe_round(r.tokens, r.acceptance_length, self.sim.now - q.verified_at)
+            q.verified_at = self.sim.now
         self.sim.planner.observe_verify(
             traces,
             None if riders else max(0.0, self.sim.now - launched - waited),

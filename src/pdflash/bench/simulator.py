@@ -87,6 +87,7 @@ class SimRequest:
     anchor_claim: SimClaim | None = None  # the claim on its next anchor's experts (until that round's verify ran)
     anchor_fetch: frozenset[ExpertKey] = frozenset()  # what that claim fetched (its next round's bytes)
     drafted_at: float = 0.0
+    verified_at: float = 0.0  # when its last verify ended (0: none yet)
     times: list[float] = attrs.Factory(list)
     tokens: list[int] = attrs.Factory(list)
     lengths: list[int] = attrs.Factory(list)

@@ -271,12 +271,18 @@ class VerifyPacer:
             done.set()
             self._changed.set()
         self._claim_next_anchors(batch, outcomes)
+        # a batch of one kind, blocks or plain rounds, times its sequences' rounds (a block riding a plain batch
+        # is nearly free, and not what blocks cost once every sequence drafts: SpeculationPlanner.drafting_loses)
+        alike = len({o.trace.tokens >= 2 for o in outcomes if isinstance(o, VerifyResult)}) == 1
         for seq, outcome in zip(batch, outcomes, strict=True):
-            seq.verified_at = self._ended_at
             if isinstance(outcome, BaseException):
                 seq.verify_error = outcome
             else:
                 seq.verify_result = outcome
+                if alike and seq.verified_at:
+                    trace = outcome.trace
+                    self.planner.observe_round(trace.tokens, trace.acceptance_length, self._ended_at - seq.verified_at)
+            seq.verified_at = self._ended_at
             seq.verify_done.set()  # every sequence of the batch hears back, whatever happened
             if seq.live:  # an aborted one already withdrew its demand
                 self.scheduler.finish(seq.request_id)

@@ -41,6 +41,10 @@ COLUMN_SUBSETS = sorted(used for k in range(1, 5) for used in itertools.combinat
 RANK_TOLERANCE = 1e-10  # an eigenvalue of a unit-scaled Gram matrix at or below it: dependent columns
 SUBSET_MASKS = np.array([[j in used for j in range(4)] for used in COLUMN_SUBSETS])  # [S, 4]
 SUBSET_PAIRS = SUBSET_MASKS[:, :, None] & SUBSET_MASKS[:, None, :]  # [S, 4, 4]: Gram entries inside each set
+# the realized-rate guard (`SpeculationPlanner.drafting_loses`)
+REALIZED_DECAY = 0.99  # per sequence-round of its kind: each realized rate remembers the last ~100
+REALIZED_ROUNDS = 32.0  # decayed sequence-rounds of each kind before its realized rate is trusted
+REALIZED_STALE = 2048  # plain sequence-rounds since the last block round before that rate is dropped
 
 
 @attrs.frozen
@@ -259,6 +263,10 @@ class SpeculationPlanner:
         self._accepted_drafts = CALIBRATION_PRIOR  # decayed Σ drafts then accepted
         # what every sequence's round is priced at until the next observation (`_price`)
         self._prices: tuple[tuple[int, ...], RoundCosts] | None = None
+        self._realized_blocks = _Realized()  # tokens and seconds of sequence-rounds that verified blocks
+        self._realized_plain = _Realized()  # ... and of plain ones
+        self._plain_since_block = 0  # plain sequence-rounds since the last block round
+        self.vetoed = 0  # rounds the policy would have drafted that the realized rates kept plain
 
     @property
     def adaptive(self) -> bool:
@@ -300,6 +308,21 @@ class SpeculationPlanner:
         curse: link-bound at c = 4 on the bundled pair, 37 drafts accepted where 47 were
         expected, κ = 0.79). The policy weighs drafts at what they realized."""
         return self._accepted_drafts / self._expected_drafts
+
+    @property
+    def drafting_loses(self) -> bool:
+        """Whether sequences' rounds that verified blocks have recently committed fewer tokens per
+        second than their plain rounds, both measured (`observe_round`).
+
+        The policy prices a round from fitted costs, and where drafting and plain decoding come
+        close (resident on a CPU) a bias in them decides: at c = 32 on the bundled pair it drafted
+        blocks of 8 at 2.3 tokens a round and made 791 tok/s where plain decoding made 934. What
+        rounds realize is what the fit only predicts, so when it says blocks lose, the planner
+        decodes plainly (as Cascade switches speculation off where it measured a slowdown). The
+        blocks' rate is dropped after REALIZED_STALE plain rounds without one, so the policy
+        drafts again and measures anew: a backed-off engine recovers where drafting pays again."""
+        blocks, plain = self._realized_blocks.rate, self._realized_plain.rate
+        return blocks is not None and plain is not None and blocks < plain
 
     @property
     def idle_s(self) -> float:
@@ -344,7 +367,9 @@ class SpeculationPlanner:
             block = self.max_block
         elif (mean := self.inputs(acceptance)) is not None:
             block = choose_block(attrs.evolve(mean, acceptance=acceptance.draw())).block
-            if block >= 2 and greedy:
+            if block >= 2 and self.drafting_loses:
+                block, self.vetoed = 1, self.vetoed + 1
+            elif block >= 2 and greedy:
                 block = choose_block(mean, shortest=2).block
         else:
             block = self.max_block if self.link_bytes_per_s is None else 1
@@ -457,6 +482,19 @@ class SpeculationPlanner:
         self._expected_drafts = CALIBRATION_DECAY * self._expected_drafts + (expected_tokens - 1.0)
         self._accepted_drafts = CALIBRATION_DECAY * self._accepted_drafts + (committed - 1.0)
 
+    def observe_round(self, block: int, committed: int, seconds: float) -> None:
+        """A sequence's verify of `block` tokens committed `committed` tokens, `seconds` after its
+        previous verify ended: its whole round (drafting, waiting for admission and for the batch,
+        verifying), whatever the others in its batches did. What `drafting_loses` compares."""
+        if block >= 2:
+            self._realized_blocks.observe(committed, seconds)
+            self._plain_since_block = 0
+            return
+        self._realized_plain.observe(committed, seconds)
+        self._plain_since_block += 1
+        if self._plain_since_block == REALIZED_STALE:
+            self._realized_blocks = _Realized()
+
     def observe_idle(self, seconds: float) -> None:
         """The verify lane waited `seconds` between a verify and the next launch of one of its
         sequences, beyond what drafting took: the engine's hand-offs between a round's stages
@@ -492,6 +530,25 @@ class _Ratio:
     def value(self) -> float | None:
         """The ratio, or None before any observation with a denominator."""
         return self.numerator / self.denominator if self.numerator is not None and self.denominator else None
+
+
+@attrs.define
+class _Realized:
+    """Decayed sums over sequence-rounds of one kind: tokens committed and seconds taken."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.tokens = REALIZED_DECAY * self.tokens + tokens
+        self.seconds = REALIZED_DECAY * self.seconds + seconds
+        self.rounds = REALIZED_DECAY * self.rounds + 1.0
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second of a sequence's round, or None before REALIZED_ROUNDS are measured."""
+        return self.tokens / self.seconds if self.rounds >= REALIZED_ROUNDS and self.seconds > 0 else None
 
 
 def _ema(old: float | None, new: float) -> float:

@@ -57,6 +57,7 @@ class EngineStats:
     speculation: str  # "adaptive" | "fixed" (always "fixed" without a drafter)
     drafter_lane: str | None  # "own" (drafts beside verifies) | "shared" (the target's lane) | None: no drafter
     block_decisions: dict[int, int]  # verify block length chosen -> rounds
+    drafts_vetoed: int  # rounds the policy would have drafted, kept plain: blocks realized less (planner)
     verify_batch_sizes: dict[int, int]  # sequences per batched verify -> how many such batches
     admission_wait_p50_s: float | None  # verify admission wait (scheduler window)
     admission_wait_p99_s: float | None
@@ -103,6 +104,7 @@ def engine_stats(engine: AsyncEngine) -> EngineStats:
         speculation=engine.planner.mode,
         drafter_lane=engine.drafter_lane,
         block_decisions=dict(sorted(engine.planner.decisions.items())),
+        drafts_vetoed=engine.planner.vetoed,
         verify_batch_sizes=dict(sorted(running.pacer.verify_batches.items())) if running else {},
         admission_wait_p50_s=sched.wait_p50_s,
         admission_wait_p99_s=sched.wait_p99_s,
