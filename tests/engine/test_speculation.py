@@ -490,6 +490,21 @@ async def test_link_bound_at_concurrency_one_the_engine_decodes_plainly(make_eng
 
 
 @pytest.mark.asyncio
+async def test_each_verified_round_reports_its_block_tokens_and_seconds_to_the_planner(make_engine):
+    """What `drafting_loses` compares comes from the engine's verifies: every round of a sequence
+    after its first (timed from the verify before it), alone in its batches, so all of one kind."""
+    async with make_engine() as engine:
+        rounds: list[tuple[int, int, float]] = []
+        observe = engine.planner.observe_round
+        engine.planner.observe_round = lambda *args: (rounds.append(args), observe(*args))[1]
+        _, _, last = await collect(engine.generate(PROMPTS[1], GREEDY))
+        await drained(engine)
+    m = last.metrics
+    assert [(b, a) for b, a, _ in rounds] == list(zip(m.block_sizes, m.acceptance_lengths, strict=True))[1:]
+    assert len(rounds) >= 2 and all(seconds > 0 for _, _, seconds in rounds)
+
+
+@pytest.mark.asyncio
 async def test_short_blocks_draft_the_whole_block_and_read_the_rest_as_shadow_drafts(make_engine, reference):
     """A block of 2 verifies one draft; the drafter drafted all of them in its forward, and the
     rest reach the sequence as shadow drafts, read against the tokens it commits next."""
