@@ -84,6 +84,7 @@ def test_two_prompts_stream_side_by_side(server, browser):
     assert page.locator("#stat-fetched").inner_text().endswith("B")
     assert page.locator("#stat-hit").inner_text().endswith("%")
     assert page.locator("#stat-projected").inner_text() not in ("–", "0 B")
+    assert page.locator("#stat-vetoed").inner_text().isdigit()  # the policy's vetoed drafts, counted
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)

@@ -129,6 +129,11 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(
             "pdflash_mean_acceptance_length", "tokens per verify round since start", value=s.mean_acceptance_length
         )
+        yield CounterMetricFamily(
+            "pdflash_drafts_vetoed",
+            "rounds the speculation policy would have drafted, kept plain: recent blocks committed fewer tokens/s",
+            value=s.drafts_vetoed,
+        )
         for q in ("p50", "p99"):
             value = getattr(s, f"admission_wait_{q}_s")
             if value is not None:
@@ -291,6 +296,7 @@ class StatsBoard:
             "generated_tokens": s.generated_tokens,
             "tokens_per_second": rate,
             "mean_acceptance_length": s.mean_acceptance_length,
+            "drafts_vetoed": s.drafts_vetoed,
             "expert_bytes_projected": self.metrics.projected_expert_bytes,
             "fetch_bytes_projected": self.metrics.projected_fetch_bytes,
             "expert_bytes_fetched": p.get("expert_bytes_fetched"),

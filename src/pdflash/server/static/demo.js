@@ -132,6 +132,7 @@ function showStats(s) {
   $("stat-waiting").textContent = s.waiting;
   $("stat-tps").textContent = formatRate(s.tokens_per_second);
   $("stat-tau").textContent = s.mean_acceptance_length ? s.mean_acceptance_length.toFixed(2) : "–";
+  $("stat-vetoed").textContent = s.drafts_vetoed ?? "–";
   $("stat-fetched").textContent = s.link ? formatBytes(s.expert_bytes_fetched) : "not offloading";
   $("stat-hit").textContent = formatPercent(s.expert_cache_hit_rate);
   $("stat-projected").textContent = formatBytes(s.expert_bytes_projected);
