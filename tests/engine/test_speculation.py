@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import count
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +14,7 @@ from test_engine import GREEDY, PROMPTS, SlowLink
 from pdflash.engine.round_work import RoundWork
 from pdflash.engine.speculation import (
     COLUMN_SUBSETS,
+    REALIZED_DECAY,
     REALIZED_ROUNDS,
     REALIZED_STALE,
     RESOLVE_EVERY,
@@ -23,6 +25,7 @@ from pdflash.engine.speculation import (
     _subset_fits,
 )
 from pdflash.sampling import SamplingParams
+from pdflash.spec.acceptance import SequenceAcceptance
 from pdflash.spec.policy import choose_block
 from pdflash.spec.projection import ProjectionQuality
 from pdflash.spec.session import RoundTrace
@@ -410,10 +413,11 @@ def test_a_rounds_prices_are_kept_until_the_next_measurement_and_no_longer():
     assert planner.inputs(seq).prefix_fetch_bytes[0] > first.prefix_fetch_bytes[0]
 
 
-REALIZED_ROUNDS_NEEDED = 40  # rounds of one kind whose decayed count passes REALIZED_ROUNDS
+# rounds of one kind whose decayed count reaches REALIZED_ROUNDS (a realized rate is trusted)
+REALIZED_ROUNDS_NEEDED = next(n for n in count(1) if (1 - REALIZED_DECAY**n) / (1 - REALIZED_DECAY) >= REALIZED_ROUNDS)
 
 
-def drafting_planner() -> tuple[SpeculationPlanner, object]:
+def drafting_planner() -> tuple[SpeculationPlanner, SequenceAcceptance]:
     """A resident planner whose fitted costs and acceptance make a block of 4 its choice."""
     planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=None, routing=BUNDLED)
     planner.observe_draft(1, 0.001)
@@ -431,7 +435,7 @@ def test_realized_rounds_keep_a_planner_plain_where_its_blocks_commit_less_per_s
     than plain rounds did (c = 32 resident on the bundled pair: 791 tok/s drafting, 934 plain): the
     rounds' realized rates overrule the fit until the blocks' rate is stale."""
     planner, seq = drafting_planner()
-    for _ in range(40):
+    for _ in range(REALIZED_ROUNDS_NEEDED):
         planner.observe_round(1, 1, 0.020)  # plain: 50 tokens/s a sequence
         planner.observe_round(4, 3, 0.080)  # blocks: 37.5
     assert planner.drafting_loses
@@ -457,8 +461,7 @@ def test_realized_rounds_leave_the_policy_be_where_blocks_commit_more_per_second
 
 def test_a_few_rounds_are_not_yet_a_realized_rate():
     planner, _ = drafting_planner()
-    assert REALIZED_ROUNDS > 10
-    for _ in range(10):
+    for _ in range(REALIZED_ROUNDS_NEEDED - 1):
         planner.observe_round(1, 1, 0.010)
         planner.observe_round(4, 1, 1.0)
     assert not planner.drafting_loses
