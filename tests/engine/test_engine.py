@@ -201,8 +201,8 @@ async def test_a_launch_prefetches_what_it_will_likely_route_as_the_link_binds(l
     drafts = []
     draft_rounds = speculator.draft_rounds
 
-    def recorded(sessions, sizes=None, drafted=None):
-        drafts.extend(result for result in draft_rounds(sessions, sizes, drafted))
+    def recorded(sessions, sizes=None, drafted=None, cuts=None):
+        drafts.extend(result for result in draft_rounds(sessions, sizes, drafted, cuts))
         return drafts[-len(sessions) :]
 
     speculator.draft_rounds = recorded

@@ -6,6 +6,7 @@ from collections import Counter
 from itertools import count
 from types import SimpleNamespace
 
+import attrs
 import numpy as np
 import pytest
 from engine_cases import collect, drained
@@ -26,9 +27,9 @@ from pdflash.engine.speculation import (
 )
 from pdflash.sampling import SamplingParams
 from pdflash.spec.acceptance import SequenceAcceptance
-from pdflash.spec.policy import choose_block
+from pdflash.spec.policy import choose_block, expected_committed
 from pdflash.spec.projection import ProjectionQuality
-from pdflash.spec.session import RoundTrace
+from pdflash.spec.session import DraftResult, RoundTrace
 from pdflash.spec.speculator import Speculator
 
 
@@ -295,6 +296,38 @@ def test_a_greedy_sequence_drafts_when_a_draw_says_so_and_verifies_as_far_as_the
     assert {3, 4} <= set(sampled), sampled
 
 
+def test_a_greedy_round_that_drafts_is_cut_by_its_drafts_confidence_once_they_are_made():
+    """The planner hands a greedy drafting round a cut (the policy again, at the mean, with the
+    drafter's confidence for acceptance); a plain, sampled, fixed or unpriced round none. A pending
+    verify is expected to commit what its drafts' confidence says, and verifies teach the table."""
+    planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e5)
+    seq = planner.track()
+    assert planner.cut(seq, 4, greedy=True) is None  # nothing measured: nothing to price a cut with
+    planner.observe_draft(2, 0.004)
+    for _ in range(2):
+        verified(planner, [trace(4, (1000, 600, 600, 600), further=600)] * 2, 0.02)
+    cut = planner.cut(seq, 2, greedy=True)
+    assert cut is not None and cut.inputs == planner.inputs(seq) and cut.table == planner.confidence.table()
+    assert planner.cut(seq, 1, greedy=True) is None and planner.cut(seq, 4, greedy=False) is None
+    assert SpeculationPlanner("fixed", 4, link_bytes_per_s=1e5).cut(seq, 4, greedy=True) is None
+
+    sure = DraftResult(
+        block=(1, 2, 3),
+        expert_union=frozenset(),
+        expert_bytes=0,
+        fetch_bytes=0,
+        projection_s=0.0,
+        confidence=(0.97, 0.97, 0.97),
+    )
+    plain = attrs.evolve(sure, confidence=())
+    assert planner.expected_tokens(seq, sure) == pytest.approx(1 + 0.97 + 0.97**2)
+    assert planner.expected_tokens(seq, plain) == pytest.approx(expected_committed(seq.estimate(), 3))
+    for _ in range(500):  # the drafter's sure drafts are rejected: the first of each block read
+        planner.observe_drafts(sure, accepted_drafts=0)
+    assert planner.confidence.table().of((0.97,))[0] < 0.05
+    assert planner.expected_tokens(seq, sure) < 1.05
+
+
 def test_the_verify_fit_is_solved_at_the_next_launch_when_its_sizes_change_and_every_few_verifies():
     """Solving costs 0.3-0.5 ms on the event loop: `observe_verify` only records, and `refit` (run
     by the pacer once the next verify is on its lane) solves when a size is new, and a known
@@ -513,6 +546,7 @@ async def test_short_blocks_draft_the_whole_block_and_read_the_rest_as_shadow_dr
     rest reach the sequence as shadow drafts, read against the tokens it commits next."""
     engine = make_engine(provider=SlowLink())
     engine.planner.plan = lambda acceptance, greedy=False: 2
+    engine.planner.cut = lambda acceptance, block, greedy=False: None  # the planned block stands
     drafts = []
     draft_rounds = engine._work.draft_rounds  # what the drafter lane runs, recorded
     engine._work.draft_rounds = lambda batch: drafts.extend(out := draft_rounds(batch)) or out
@@ -525,6 +559,29 @@ async def test_short_blocks_draft_the_whole_block_and_read_the_rest_as_shadow_dr
     early = drafts[: len(drafts) // 2]  # far from the request's end, where a block is cut to what is left
     assert early and all(len(d.block) == 2 and len(d.block) + len(d.shadow) == block for d in early)
     assert engine.planner.acceptance._global.trials[0] > 0
+
+
+@pytest.mark.asyncio
+async def test_the_engine_verifies_as_far_as_each_rounds_cut_chooses_from_its_drafts(make_engine, reference):
+    """Behind a link, every greedy drafted round is cut on the drafter lane by the cut its plan
+    made, from the drafter's confidence in each draft; what it verifies teaches the confidence table."""
+    engine = make_engine(provider=SlowLink())
+    engine.planner.plan = lambda acceptance, greedy=False: 3
+    cuts, drafts = [], []
+    cut = engine.planner.cut
+    engine.planner.cut = lambda *args, **kwargs: cuts.append(out := cut(*args, **kwargs)) or out
+    draft_rounds = engine._work.draft_rounds
+    engine._work.draft_rounds = lambda batch: drafts.extend(out := draft_rounds(batch)) or out
+    async with engine:
+        ids, _, last = await collect(engine.generate(PROMPTS[0], GREEDY))
+    assert ids == reference(PROMPTS[0])  # lossless
+    assert len(cuts) == len(drafts) == len(last.metrics.block_sizes)
+    priced = [(c, d) for c, d in zip(cuts, drafts, strict=True) if c is not None]
+    assert priced, "no round was cut"  # none is priced before a verify is measured; the later ones are
+    for c, d in priced:
+        assert len(d.confidence) == len(d.block) + len(d.shadow) - 1
+        assert len(d.block) == min(c.block(d.confidence), len(d.confidence) + 1)
+    assert sum(engine.planner.confidence._trials) > 0
 
 
 @pytest.mark.asyncio
@@ -564,7 +621,7 @@ def test_a_draft_that_first_catches_up_on_skipped_context_is_not_timed(loaded, d
     planner = SpeculationPlanner("adaptive", spec.block_size, link_bytes_per_s=None)
     work = RoundWork(spec, planner)
     [session] = spec.begin_sessions([(PROMPTS[1], SamplingParams(max_tokens=40))])
-    seq = SimpleNamespace(session=session, planned_block=1, planned_draft=1)  # a Sequence stand-in: what the lane reads
+    seq = SimpleNamespace(session=session, planned_block=1, planned_draft=1, planned_cut=None)  # what the lane reads
     while session.unseen_tokens <= spec.block_size:
         work.draft_rounds([seq])  # plain rounds: the drafter skipped, its unseen context grows
         spec.verify_rounds([session])

@@ -5,10 +5,17 @@ from __future__ import annotations
 import math
 import random
 
+import attrs
 import pytest
 
-from pdflash.spec.acceptance import AcceptanceModel, AcceptancePrior
-from pdflash.spec.policy import PolicyInputs, RoundCosts, choose_block, expected_committed, round_cost_s
+from pdflash.spec.acceptance import (
+    CONFIDENCE_EDGES,
+    AcceptanceModel,
+    AcceptancePrior,
+    ConfidenceCalibration,
+    ConfidenceTable,
+)
+from pdflash.spec.policy import PolicyInputs, RoundCosts, VerifyCut, choose_block, expected_committed, round_cost_s
 
 MB = 1_000_000
 LIGHT_PRIOR = AcceptancePrior(prior=0.6, prior_weight=2.0)  # the estimator's dynamics, seen in few rounds
@@ -74,6 +81,57 @@ def test_once_the_drafter_runs_the_best_block_of_two_or_more_is_chosen():
     assert drafted.rates == choose_block(inputs).rates  # the same rates, a narrower choice
     with pytest.raises(ValueError, match="shortest must be a block length in 1..8"):
         choose_block(inputs, shortest=9)
+
+
+def test_a_cut_verifies_the_drafts_the_drafter_is_sure_of():
+    # link-bound: every further position adds 0.2 MB at 10 MB/s (20 ms) against 11 ms a round
+    inputs = PolicyInputs(
+        acceptance=(0.7,) * 7,
+        prefix_fetch_bytes=tuple(MB + int(0.2 * MB) * (b - 1) for b in range(1, 9)),
+        costs=per_token(0.010, 0.001, 0.005, 10 * MB),
+    )
+    table = ConfidenceTable(tuple(min(1.0, 0.05 + i / len(CONFIDENCE_EDGES)) for i in range(len(CONFIDENCE_EDGES) + 1)))
+    cut = VerifyCut(inputs=inputs, table=table)
+    sure, doubt = 0.999, 0.05  # the last bucket's acceptance is 1.0; the first's 0.05
+    assert table.of((sure, doubt)) == (1.0, 0.05)
+    # all sure: each position adds a token for 21 ms, the whole block pays
+    assert cut.block((sure,) * 7) == 8
+    # sure up to a doubtful third draft: b = 3 commits 3 tokens in 0.153 s (19.6 tok/s); b = 4
+    # adds 0.05 tokens for 21 ms more (17.5 tok/s)
+    a = table.of((sure, sure, doubt) + (sure,) * 4)
+    rates = [expected_committed(a, b) / round_cost_s(attrs_evolve_sunk(inputs, a), b) for b in range(2, 9)]
+    assert cut.block((sure, sure, doubt) + (sure,) * 4) == 3 == 2 + max(range(7), key=rates.__getitem__)
+    # a doubtful first draft: the cut still verifies one draft (the drafter ran already)
+    assert cut.block((doubt,) * 7) == 2
+    # the drafter's cost is spent: the same inputs priced with it leave the choice unchanged
+    costly = VerifyCut(inputs=attrs.evolve(inputs, costs=attrs.evolve(inputs.costs, draft_s=5.0)), table=table)
+    assert costly.block((sure,) * 7) == 8
+    # fewer drafts than the block (the request's last tokens): never past them
+    assert cut.block((sure, sure)) == 3
+    with pytest.raises(ValueError, match="at least one draft"):
+        cut.block(())
+
+
+def attrs_evolve_sunk(inputs: PolicyInputs, acceptance: tuple[float, ...]) -> PolicyInputs:
+    return attrs.evolve(inputs, acceptance=acceptance, costs=attrs.evolve(inputs.costs, draft_s=0.0))
+
+
+def test_confidence_starts_calibrated_and_learns_what_drafts_realized():
+    calibration = ConfidenceCalibration()
+    start = calibration.table()
+    assert start.of((0.05, 0.55, 0.97, 0.995)) == pytest.approx((0.05, 0.55, 0.97, 0.995))
+    # the drafter is sure (0.97) of drafts that are rejected half the time; its doubtful ones
+    # (0.15) are all accepted; a verify reads drafts up to the first rejected one only
+    for _ in range(200):
+        calibration.observe((0.97, 0.97), accepted_drafts=1)  # the first accepted, the second rejected
+        calibration.observe((0.15, 0.15, 0.15), accepted_drafts=3)
+        calibration.observe((0.55, 0.55, 0.55), accepted_drafts=0)  # only the first draft was read
+    sure, doubtful, middling = calibration.table().of((0.97, 0.15, 0.55))
+    # each bucket's counts decay toward ~170-330 trials: its prior's 8 pseudo-trials still pull a little
+    assert sure == pytest.approx(0.5, abs=0.05) and sure != 0.5
+    assert doubtful == pytest.approx(1.0, abs=0.05) and doubtful < 1.0
+    assert middling == pytest.approx(0.0, abs=0.05) and middling > 0.0
+    assert calibration.table().of((0.35,)) == start.of((0.35,))  # a bucket never observed keeps its prior
 
 
 def test_shared_bytes_make_short_blocks_pay_when_link_bound():

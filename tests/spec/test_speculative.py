@@ -120,6 +120,41 @@ def test_per_session_block_sizes_and_skipped_drafts_keep_the_output(loaded, draf
         spec.draft_rounds(spec.begin_sessions([(PROMPTS[0], params)]), [9])
 
 
+class CutBelowMean:
+    """Stands in for pdflash.spec.policy.VerifyCut (tested in tests/spec/test_policy.py): verifies
+    the drafts up to the first one the drafter is less sure of than of the block on average (the
+    tiny drafter's confidences are all ~0.02, so a real cut's table reads them alike)."""
+
+    def block(self, confidence: tuple[float, ...]) -> int:
+        mean = sum(confidence) / len(confidence)
+        return 2 + next((k for k, c in enumerate(confidence[1:]) if c < mean), len(confidence) - 1)
+
+
+def test_drafts_cut_by_the_drafters_confidence_keep_the_output(loaded, drafter):
+    """Greedy rounds that draft the whole block and verify what a cut chooses from the drafter's
+    confidence in each draft (its probability of the argmax it drafted) equal plain decoding; the
+    drafts past the cut are the round's shadow; a sampled session is not cut."""
+    params = SamplingParams(max_tokens=30)
+    spec = speculator(loaded, drafter, block_size=8)
+    expected = [generate_autoregressive(loaded.model, p, params).token_ids for p in PROMPTS]
+    cut = CutBelowMean()
+    sessions = spec.begin_sessions([(p, params) for p in PROMPTS])
+    lengths = set()
+    while live := [s for s in sessions if not s.finished]:
+        drafts = spec.draft_rounds(live, [2] * len(live), [8] * len(live), [cut] * len(live))
+        for s, d in zip(live, drafts, strict=True):
+            room = s.rule.max_new_tokens - len(s.emitted) + 1
+            assert len(d.confidence) == min(8, room) - 1 and all(0.0 < c <= 1.0 for c in d.confidence)
+            assert d.tokens == min(cut.block(d.confidence), room) and d.tokens + len(d.shadow) == min(8, room)
+            lengths.add(d.tokens)
+        spec.verify_rounds(live)
+    assert [tuple(s.emitted) for s in sessions] == expected
+    assert len(lengths) >= 3  # the confidence, not the planned 2, decided
+    sampled = spec.begin_sessions([(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.8, seed=3))])
+    [d] = spec.draft_rounds(sampled, [3], None, [cut])
+    assert d.tokens == 3 and d.confidence == ()
+
+
 def test_position_bytes_share_each_expert_among_the_batch_that_routed_it(loaded, drafter):
     spec = speculator(loaded, drafter, block_size=4)
     params = SamplingParams(max_tokens=8)

@@ -44,7 +44,6 @@ from pdflash.engine.ticket import AdmissionCancelled, Ticket
 from pdflash.errors import EngineClosedError, EngineOverloadedError
 from pdflash.measure import BusyClock
 from pdflash.sampling import SamplingParams
-from pdflash.spec.policy import expected_committed
 from pdflash.spec.projection import Projection
 from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
 from pdflash.spec.speculator import Speculator
@@ -356,6 +355,7 @@ class AsyncEngine:
                 while True:
                     seq.planned_block = self._work.plan(seq)
                     seq.planned_draft = self._work.draft_tokens(seq)
+                    seq.planned_cut = self._work.cut(seq)
                     draft = await self._draft(seq, anchor)
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     ticket = self._register(seq, draft)
@@ -391,7 +391,7 @@ class AsyncEngine:
 
     def _register(self, seq: Sequence, draft: DraftResult) -> Ticket:
         """Its pending verify's exact demand goes to the scheduler; the pacer may tick."""
-        expected = expected_committed(seq.acceptance.estimate(), draft.tokens) if seq.acceptance else 1.0
+        expected = self.planner.expected_tokens(seq.acceptance, draft) if seq.acceptance else 1.0
         ticket = seq.ticket = self.scheduler.register(
             seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes, expected
         )
@@ -431,6 +431,7 @@ class AsyncEngine:
                     seq.acceptance.record(outcome.block, outcome.accepted)
                 if trace.tokens >= 2:  # what the drafts realized against what the policy expected of them
                     self.planner.observe_committed(seq.expected_tokens, verified.accepted_drafts + 1)
+                    self.planner.observe_drafts(seq.draft, verified.accepted_drafts)
             seq.expert_bytes += trace.expert_bytes
             seq.fetch_bytes += trace.fetch_bytes
             self._totals.verify_rounds += 1

@@ -14,6 +14,7 @@ from typing import Any
 from pdflash.engine.lanes import Isolation
 from pdflash.engine.sequence import Sequence
 from pdflash.engine.speculation import SpeculationPlanner
+from pdflash.spec.policy import VerifyCut
 from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
 from pdflash.spec.speculator import Speculator
 
@@ -56,6 +57,13 @@ class RoundWork:
             return 1
         return self.planner.drafted_tokens(seq.planned_block, greedy=seq.params.greedy)
 
+    def cut(self, seq: Sequence) -> VerifyCut | None:
+        """How its drafts are cut once made (the planner's rule; None: its planned block stands)."""
+        assert seq.acceptance is not None
+        if self.speculator.drafter is None:
+            return None
+        return self.planner.cut(seq.acceptance, seq.planned_block, greedy=seq.params.greedy)
+
     def draft_rounds(self, batch: list[Sequence]) -> list[DraftResult]:  # on the drafter lane
         pairs = [(s, s.session) for s in batch if s.session is not None]
         # a session that skipped the drafter for a while first catches up on its unseen context: a
@@ -65,7 +73,10 @@ class RoundWork:
         )
         started = time.perf_counter()
         drafts = self.speculator.draft_rounds(
-            [session for _, session in pairs], [s.planned_block for s, _ in pairs], [s.planned_draft for s, _ in pairs]
+            [session for _, session in pairs],
+            [s.planned_block for s, _ in pairs],
+            [s.planned_draft for s, _ in pairs],
+            [s.planned_cut for s, _ in pairs],
         )
         if steady:
             self.planner.observe_draft(sum(d.drafted for d in drafts), time.perf_counter() - started)

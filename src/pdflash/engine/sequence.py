@@ -25,6 +25,7 @@ from pdflash.engine.outputs import OutputMailbox, RequestMetrics, RequestOutput,
 from pdflash.engine.ticket import Ticket
 from pdflash.sampling import SamplingParams
 from pdflash.spec.acceptance import SequenceAcceptance
+from pdflash.spec.policy import VerifyCut
 from pdflash.spec.session import DraftResult, SpecSession, VerifyResult
 from pdflash.spec.shadow import ShadowReader
 
@@ -80,6 +81,7 @@ class Sequence:
     acceptance: SequenceAcceptance | None = None  # its acceptance estimates (adaptive speculation)
     planned_block: int = 1  # tokens its next verify holds, anchor included
     planned_draft: int = 1  # tokens the drafter makes for it (>= planned_block; 1: no drafter forward)
+    planned_cut: VerifyCut | None = None  # how its drafts are cut once made (None: the planned block stands)
     # its drafts no verify read, read against the tokens it commits (pdflash.spec.shadow)
     shadow: ShadowReader = attrs.Factory(ShadowReader)
     expected_tokens: float = 1.0  # its pending verify's E[committed] by its mean acceptance estimate

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 import attrs
 import numpy as np
 
-from pdflash.spec.acceptance import AcceptanceModel, SequenceAcceptance
-from pdflash.spec.policy import SPECULATION, PolicyInputs, RoundCosts, choose_block
-from pdflash.spec.session import RoundTrace
+from pdflash.spec.acceptance import AcceptanceModel, ConfidenceCalibration, SequenceAcceptance
+from pdflash.spec.policy import SPECULATION, PolicyInputs, RoundCosts, VerifyCut, choose_block, expected_committed
+from pdflash.spec.session import DraftResult, RoundTrace
 
 EMA_WEIGHT = 0.1  # weight of the newest observation in the running estimates
 SIZE_WINDOW = 20  # verifies of one size behind its running mean (a plain mean until then)
@@ -245,6 +245,7 @@ class SpeculationPlanner:
         self.mode, self.max_block, self.link_bytes_per_s = mode, max_block, link_bytes_per_s
         self.routing = routing  # None: verify seconds are fitted as a line in tokens alone
         self.acceptance = AcceptanceModel(max_block)
+        self.confidence = ConfidenceCalibration()  # acceptance by the drafter's confidence (greedy drafts)
         self._fit = _ComputeFit()  # verifies: sizes are tokens
         self._draft_fit = _ComputeFit()  # drafter calls: sizes are sequences drafted
         self._draft_s: float | None = None  # EMA: drafter seconds per drafted sequence, as the calls ran
@@ -375,6 +376,26 @@ class SpeculationPlanner:
             block = self.max_block if self.link_bytes_per_s is None else 1
         self.decisions[block] = self.decisions.get(block, 0) + 1
         return block
+
+    def cut(self, acceptance: SequenceAcceptance, block: int, *, greedy: bool) -> VerifyCut | None:
+        """How a greedy sequence's planned block of drafts is cut once they are made (the policy
+        asked again, each draft's acceptance read off the drafter's confidence in it); None where
+        the round does not draft, is not greedy, or speculation is fixed."""
+        if not (self.adaptive and greedy and block >= 2) or (inputs := self.inputs(acceptance)) is None:
+            return None
+        return VerifyCut(inputs=inputs, table=self.confidence.table())
+
+    def expected_tokens(self, acceptance: SequenceAcceptance, draft: DraftResult) -> float:
+        """E[committed] of a pending verify, uncalibrated: read off its drafts' confidence where the
+        drafter gave one, else off the sequence's mean estimate."""
+        if draft.confidence:
+            return expected_committed(self.confidence.table().of(draft.confidence), draft.tokens)
+        return expected_committed(acceptance.estimate(), draft.tokens)
+
+    def observe_drafts(self, draft: DraftResult, accepted_drafts: int) -> None:
+        """A verify accepted `accepted_drafts` of a round's drafts: what their confidence told."""
+        if draft.confidence:
+            self.confidence.observe(draft.confidence[: draft.tokens - 1], accepted_drafts)
 
     def drafted_tokens(self, block: int, *, greedy: bool) -> int:
         """Tokens the drafter makes for a round that verifies `block` (anchor included; 1: the

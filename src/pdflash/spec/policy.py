@@ -10,13 +10,17 @@ where block_s(b) is the verify compute the first b tokens add to the batch (not 
 for a MoE target: a batch's distinct experts saturate as its tokens grow) and fetch_bytes(b)
 is what their projected union adds to the experts that are resident or already coming (the
 figure the scheduler charges). b = 1 is plain decoding:
-no drafter forward. Everything here is a frozen value in, a frozen value out; the estimates
+no drafter forward. Once a greedy round's drafts are made, how far to verify them is asked
+again (`VerifyCut`): the drafter's cost is spent by then, and each draft's acceptance is read off
+the drafter's confidence in it rather than its position's average. Everything here is a frozen value in, a frozen value out; the estimates
 it is handed live in pdflash.spec.acceptance and the engine's cost model.
 """
 
 from __future__ import annotations
 
 import attrs
+
+from pdflash.spec.acceptance import ConfidenceTable
 
 SPECULATION = ("adaptive", "fixed")
 
@@ -116,3 +120,26 @@ def choose_block(inputs: PolicyInputs, shortest: int = 1) -> BlockChoice:
         cost_s=round_cost_s(inputs, best),
         rates=tuple(rates),
     )
+
+
+@attrs.frozen(kw_only=True)
+class VerifyCut:
+    """How far a round verifies its drafts once they are made: the policy asked again with the
+    drafter's seconds spent (they no longer depend on b) and each draft's acceptance read off the
+    drafter's confidence in it (`table`), at least one draft verified. On the bundled pair the
+    confidence told accepted drafts from rejected ones far better than the position does (the
+    chance an accepted draft was the surer of the two: 0.91), so a block is cut where the drafter
+    doubts and runs on where it is sure."""
+
+    inputs: PolicyInputs  # the round's prices and its mean estimates, as planned
+    table: ConfidenceTable
+
+    def block(self, confidence: tuple[float, ...]) -> int:
+        """The verify length for drafts of these confidences (b = 2 .. 1 + len(confidence))."""
+        drafted = min(len(confidence), self.inputs.max_block - 1)
+        if drafted < 1:
+            raise ValueError("a verify cut needs at least one draft's confidence")
+        acceptance = self.table.of(confidence[:drafted]) + (0.0,) * (self.inputs.max_block - 1 - drafted)
+        sunk = attrs.evolve(self.inputs.costs, draft_s=0.0)
+        choice = choose_block(attrs.evolve(self.inputs, acceptance=acceptance, costs=sunk), shortest=2)
+        return min(choice.block, drafted + 1)

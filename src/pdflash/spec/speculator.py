@@ -19,6 +19,7 @@ from pdflash.measure import tokens_per_second
 from pdflash.sampling import SamplingParams, adjust_logits, probabilities, sample, token_logprobs
 from pdflash.spec import rejection
 from pdflash.spec.drafter import DFlashDrafter
+from pdflash.spec.policy import VerifyCut
 from pdflash.spec.projection import (
     Projection,
     ProjectionQuality,
@@ -121,6 +122,7 @@ class Speculator:
         sessions: Sequence[SpecSession],
         sizes: Sequence[int] | None = None,
         drafted: Sequence[int] | None = None,
+        cuts: Sequence[VerifyCut | None] | None = None,
     ) -> list[DraftResult]:
         """Draft each session's next block: `sizes[i]` tokens, anchor included (default: the block size).
 
@@ -129,7 +131,10 @@ class Speculator:
         (default `sizes[i]`; at least it, at most the block size) is how many the drafter makes:
         those past `sizes[i]` are not verified, only kept as the result's `shadow` drafts, and
         only a greedy session may draft more than it verifies (its drafts are argmaxes, so the
-        extra ones change no random number the block's own drafts were drawn with).
+        extra ones change no random number the block's own drafts were drawn with). A greedy
+        session given `cuts[i]` verifies as many of its drafts as the cut chooses from the
+        drafter's confidence in each, once they are made (pdflash.spec.policy.VerifyCut); any
+        split of greedy tokens into verifies commits the same tokens.
         """
         for s in sessions:
             _check_draftable(s)
@@ -145,8 +150,14 @@ class Speculator:
                     f"(more only when greedy), got {n}"
                 )
         room = [s.rule.max_new_tokens - len(s.emitted) + 1 for s in sessions]  # tokens it may still emit, + 1
-        sizes = [min(n, r) for n, r in zip(wanted, room, strict=True)]
-        full, draft_probs = self._drafted_blocks(sessions, [min(n, r) for n, r in zip(made, room, strict=True)])
+        full, draft_probs, confidence = self._drafted_blocks(
+            sessions, [min(n, r) for n, r in zip(made, room, strict=True)]
+        )
+        cut_to = [
+            cut.block(sure) if cut is not None and sure else size
+            for cut, sure, size in zip(cuts or [None] * len(sessions), confidence, wanted, strict=True)
+        ]
+        sizes = [min(n, r) for n, r in zip(cut_to, room, strict=True)]
         blocks = [block[:n] for block, n in zip(full, sizes, strict=True)]
         started = time.perf_counter()
         projections = self.projector.project(self, sessions, blocks)
@@ -155,8 +166,12 @@ class Speculator:
         for s in sessions:
             s.projection_s += share
         return [
-            self._pend(s, tuple(block.tolist()), tuple(whole[len(block) :].tolist()), q, projection, resident, share)
-            for s, block, whole, q, projection in zip(sessions, blocks, full, draft_probs, projections)
+            self._pend(
+                s, tuple(block.tolist()), tuple(whole[len(block) :].tolist()), q, sure, projection, resident, share
+            )
+            for s, block, whole, q, sure, projection in zip(
+                sessions, blocks, full, draft_probs, confidence, projections, strict=True
+            )
         ]
 
     def plain_round(self, session: SpecSession, anchor: Projection) -> DraftResult:
@@ -165,7 +180,7 @@ class Speculator:
         projected that anchor already (VerifyResult.next_anchor, counted in its projection_s),
         and a target-free projector's projection of a block of one is exactly that."""
         _check_draftable(session)
-        return self._pend(session, (session.anchor,), (), None, anchor, frozenset(self.resident()), 0.0)
+        return self._pend(session, (session.anchor,), (), None, (), anchor, frozenset(self.resident()), 0.0)
 
     def _pend(
         self,
@@ -173,6 +188,7 @@ class Speculator:
         block: tuple[int, ...],
         shadow: tuple[int, ...],
         q: torch.Tensor | None,
+        confidence: tuple[float, ...],
         projection: Projection,
         resident: frozenset[ExpertKey],
         projection_s: float,
@@ -183,6 +199,7 @@ class Speculator:
             block=block,
             shadow=shadow,
             draft_probs=q,
+            confidence=confidence,
             expert_union=union,
             expert_probability=projection.probability,
             expert_bytes=union_bytes(union, self.expert_nbytes),
@@ -194,13 +211,15 @@ class Speculator:
 
     def _drafted_blocks(
         self, sessions: Sequence[SpecSession], sizes: list[int]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Each session's [b] anchor + drafts, and the [b-1, V] q its drafts were drawn from (None: argmax)."""
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[tuple[float, ...]]]:
+        """Each session's [b] anchor + drafts, the [b-1, V] q its drafts were drawn from (None: argmax),
+        and a greedy session's confidence in each draft: the drafter's probability of it (() otherwise)."""
         blocks = [torch.tensor([s.anchor], dtype=torch.int64) for s in sessions]
         probs: list[torch.Tensor | None] = [None] * len(sessions)
+        confidence: list[tuple[float, ...]] = [()] * len(sessions)
         drafting = [i for i, n in enumerate(sizes) if n >= 2]
         if self.drafter is None or not drafting:
-            return blocks, probs
+            return blocks, probs, confidence
         mask = self.drafter.config.mask_token_id
         noisy, contexts, caches = [], [], []
         for i in drafting:
@@ -218,7 +237,10 @@ class Speculator:
                 lg, s.params, s.generator, prompt_ids=s.prompt_ids, output_ids=s.emitted, stop_ids=s.rule.stop_ids
             )
             blocks[i] = torch.cat([blocks[i], drafts.cpu()])
-        return blocks, probs
+            if probs[i] is None:  # argmax drafts: how sure the drafter was of each
+                sure = torch.softmax(lg.float(), dim=-1).gather(-1, drafts.view(-1, 1).to(lg.device))  # [b-1, 1]
+                confidence[i] = tuple(sure.view(-1).tolist())
+        return blocks, probs, confidence
 
     # -- verify --------------------------------------------------------------------------
     def verify_round(self, session: SpecSession) -> VerifyResult:
