@@ -9,7 +9,9 @@ import attrs
 import pytest
 
 from pdflash.spec.acceptance import (
+    CONFIDENCE_DECAY,
     CONFIDENCE_EDGES,
+    CONFIDENCE_PRIOR_WEIGHT,
     AcceptanceModel,
     AcceptancePrior,
     ConfidenceCalibration,
@@ -132,6 +134,33 @@ def test_confidence_starts_calibrated_and_learns_what_drafts_realized():
     assert doubtful == pytest.approx(1.0, abs=0.05) and doubtful < 1.0
     assert middling == pytest.approx(0.0, abs=0.05) and middling > 0.0
     assert calibration.table().of((0.35,)) == start.of((0.35,))  # a bucket never observed keeps its prior
+
+
+def test_the_confidence_table_decays_each_draft_as_it_is_defined():
+    """Kept as the newest draft's weight, the counts equal counts decayed at every draft, across a
+    rescale of the weights too."""
+    rng = random.Random(5)
+    calibration = ConfidenceCalibration()
+    trials, successes = [0.0] * (len(CONFIDENCE_EDGES) + 1), [0.0] * (len(CONFIDENCE_EDGES) + 1)
+    for round_ in range(600):
+        confidence = tuple(rng.random() for _ in range(rng.randint(1, 7)))
+        accepted = rng.randint(0, len(confidence))
+        calibration.observe(confidence, accepted)
+        for k, c in enumerate(confidence[: accepted + 1]):  # the definition: decay all, then count
+            trials = [t * CONFIDENCE_DECAY for t in trials]
+            successes = [x * CONFIDENCE_DECAY for x in successes]
+            bucket = sum(c >= edge for edge in CONFIDENCE_EDGES)
+            trials[bucket] += 1.0
+            successes[bucket] += 1.0 if k < accepted else 0.0
+        if round_ == 300:  # the same state with weights near overflow: the next draft rescales them
+            calibration._weight *= 1e100
+            calibration._trials = [t * 1e100 for t in calibration._trials]
+            calibration._successes = [x * 1e100 for x in calibration._successes]
+    assert calibration._weight < 1e99  # rescaled
+    w = CONFIDENCE_PRIOR_WEIGHT
+    middles = [(lo + hi) / 2 for lo, hi in zip((0.0, *CONFIDENCE_EDGES), (*CONFIDENCE_EDGES, 1.0))]
+    expected = tuple((x + w * p) / (t + w) for x, t, p in zip(successes, trials, middles))
+    assert calibration.table().acceptance == pytest.approx(expected, rel=1e-9)
 
 
 def test_shared_bytes_make_short_blocks_pay_when_link_bound():
