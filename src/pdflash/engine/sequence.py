@@ -84,7 +84,7 @@ class Sequence:
     planned_cut: VerifyCut | None = None  # how its drafts are cut once made (None: the planned block stands)
     # its drafts no verify read, read against the tokens it commits (pdflash.spec.shadow)
     shadow: ShadowReader = attrs.Factory(ShadowReader)
-    expected_tokens: float = 1.0  # its pending verify's E[committed] by its mean acceptance estimate
+    expected_tokens: float = 1.0  # its pending verify's E[committed]: by its drafts' confidence, else its mean estimate
     expert_bytes: int = 0  # Σ projected union bytes over its verifies
     fetch_bytes: int = 0  # Σ non-resident part of those
     first_token_at: float | None = None

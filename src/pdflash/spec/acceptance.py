@@ -16,6 +16,10 @@ probing altogether. Deciding on the mean instead left the policy where its first
 it: below the break-even it never drafted again to learn otherwise (resident, concurrency 1:
 plain decoding at 0.79x the whole block's tokens/s). The sequences that plan between two
 verifies decide on one draw (`AcceptanceModel.next_draw`): alike, they decide alike.
+
+Once a greedy block is drafted, what each of its drafts is worth is read instead off the
+drafter's confidence in it (`ConfidenceCalibration`, pooled over sequences and positions): the
+acceptance a cut of the block is decided on (pdflash.spec.policy.VerifyCut).
 """
 
 from __future__ import annotations
