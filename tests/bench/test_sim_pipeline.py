@@ -12,9 +12,11 @@ import attrs
 import pytest
 from test_simulator import ConstantCosts
 
+from pdflash.bench import simulator
 from pdflash.bench.configs import CONFIGS
 from pdflash.bench.routing import Round
 from pdflash.bench.sim_clients import simulate_closed_loop, simulate_open_loop
+from pdflash.bench.sim_confidence import SimConfidence
 from pdflash.bench.simulator import SimSetup
 
 EXPERT_BYTES, BLOCK = 1_000_000, 8
@@ -172,7 +174,10 @@ def test_a_link_bound_sequence_falls_back_to_plain_decoding():
     assert fixed.bytes_per_token > 2 * adaptive.bytes_per_token  # its rejected drafts' experts
 
 
-def test_a_resident_sequence_that_accepts_every_draft_keeps_the_full_block():
+def test_a_resident_sequence_that_accepts_every_draft_keeps_the_full_block(monkeypatch):
+    # a drafter sure of every draft the target accepts (and of none it rejects): no cut stops a block
+    sure = SimConfidence([0] * 11 + [1], [1] + [0] * 11)
+    monkeypatch.setattr(simulator.SimConfidence, "bundled", classmethod(lambda cls: sure))
     routing = PositionRouting(tau=BLOCK)
     costs = Costs(draft=0.004, verify_dense=0.002, verify_experts=0.004)
     setup = _setup("resident-adaptive", costs, routing)

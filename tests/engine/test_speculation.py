@@ -6,7 +6,6 @@ from collections import Counter
 from itertools import count
 from types import SimpleNamespace
 
-import attrs
 import numpy as np
 import pytest
 from engine_cases import collect, drained
@@ -29,7 +28,7 @@ from pdflash.sampling import SamplingParams
 from pdflash.spec.acceptance import SequenceAcceptance
 from pdflash.spec.policy import choose_block, expected_committed
 from pdflash.spec.projection import ProjectionQuality
-from pdflash.spec.session import DraftResult, RoundTrace
+from pdflash.spec.session import RoundTrace
 from pdflash.spec.speculator import Speculator
 
 
@@ -311,21 +310,13 @@ def test_a_greedy_round_that_drafts_is_cut_by_its_drafts_confidence_once_they_ar
     assert planner.cut(seq, 1, greedy=True) is None and planner.cut(seq, 4, greedy=False) is None
     assert SpeculationPlanner("fixed", 4, link_bytes_per_s=1e5).cut(seq, 4, greedy=True) is None
 
-    sure = DraftResult(
-        block=(1, 2, 3),
-        expert_union=frozenset(),
-        expert_bytes=0,
-        fetch_bytes=0,
-        projection_s=0.0,
-        confidence=(0.97, 0.97, 0.97),
-    )
-    plain = attrs.evolve(sure, confidence=())
-    assert planner.expected_tokens(seq, sure) == pytest.approx(1 + 0.97 + 0.97**2)
-    assert planner.expected_tokens(seq, plain) == pytest.approx(expected_committed(seq.estimate(), 3))
+    sure = (0.97, 0.97, 0.97)  # a block of 3 with a shadow draft: the drafter's confidence in each draft
+    assert planner.expected_tokens(seq, 3, sure) == pytest.approx(1 + 0.97 + 0.97**2)
+    assert planner.expected_tokens(seq, 3, ()) == pytest.approx(expected_committed(seq.estimate(), 3))
     for _ in range(500):  # the drafter's sure drafts are rejected: the first of each block read
-        planner.observe_drafts(sure, accepted_drafts=0)
+        planner.observe_drafts(sure, 3, accepted_drafts=0)
     assert planner.confidence.table().of((0.97,))[0] < 0.05
-    assert planner.expected_tokens(seq, sure) < 1.05
+    assert planner.expected_tokens(seq, 3, sure) < 1.05
 
 
 def test_the_verify_fit_is_solved_at_the_next_launch_when_its_sizes_change_and_every_few_verifies():

@@ -25,6 +25,7 @@ from pdflash.bench.costs import CostModel
 from pdflash.bench.metrics import RequestRecord, Traffic
 from pdflash.bench.routing import Round, RoutingSource
 from pdflash.bench.sim_cache import SimCache, SimClaim, SimulationError
+from pdflash.bench.sim_confidence import SimConfidence
 from pdflash.bench.sim_events import Clock, Job, SimBatchLane, SimLane
 from pdflash.bench.sim_pacer import SimPacer
 from pdflash.engine.config import EngineConfig
@@ -34,7 +35,7 @@ from pdflash.engine.seating import prefill_waits, seconds_to_limit
 from pdflash.engine.speculation import RoutingShape, SpeculationPlanner
 from pdflash.engine.ticket import Ticket
 from pdflash.spec.acceptance import SequenceAcceptance
-from pdflash.spec.policy import expected_committed
+from pdflash.spec.policy import VerifyCut
 from pdflash.spec.projection import union_bytes
 from pdflash.target.experts import ExpertKey
 
@@ -79,7 +80,9 @@ class SimRequest:
     planned: int = 1  # the block the planner chose for the round being drafted
     drafting: int = 1  # tokens the drafter makes for it (SpeculationPlanner.drafted_tokens; 1: none)
     shadowed: int | None = None  # drafts of the whole block it drafted that a verify would accept
-    expected: float = 1.0  # its pending round's E[committed] by its mean acceptance estimate
+    cut: VerifyCut | None = None  # how the round's drafts are cut once made (SpeculationPlanner.cut)
+    confidence: tuple[float, ...] = ()  # [made - 1]: the drafter's confidence in each draft (SimConfidence)
+    expected: float = 1.0  # its pending round's E[committed]: by its drafts' confidence, else its mean estimate
     pending: Round | None = None  # the drafted round awaiting its verify
     resident: frozenset[ExpertKey] = frozenset()  # resident when it was drafted
     ticket: Ticket | None = None
@@ -140,6 +143,8 @@ class Simulator:
             setup.link_bytes_per_s if cfg.offloaded else None,
             RoutingShape.of(setup.byte_map, setup.top_k),
         )
+        # the engine cuts greedy drafted blocks by the drafter's confidence (the pipelined engine's)
+        self.confidence = SimConfidence.bundled() if setup.pipelined and cfg.speculative else None
         self.router = cfg.offloaded or cfg.two_dimensional  # the engine's default projector choice
         # each verify projects its sequences' next anchors, as the engine does behind a link with a
         # projector that never runs the target (the route head): a plain round after it needs no
@@ -287,6 +292,7 @@ class Simulator:
         assert q.acceptance is not None
         q.planned = self.planner.plan(q.acceptance, greedy=True)
         q.drafting = self.planner.drafted_tokens(q.planned, greedy=True)
+        q.cut = self.planner.cut(q.acceptance, q.planned, greedy=True) if self.confidence is not None else None
         if q.drafting > 1:
             self.draft.submit(q)
         elif self.projects_anchors and q.rounds > 0:  # the verify before projected its anchor: no lane
@@ -303,15 +309,18 @@ class Simulator:
     def _drafted(self, batch: list[SimRequest], sizes: list[int]) -> None:
         resident = self.cache.resident() if self.cache is not None else frozenset()
         for q, size in zip(batch, sizes, strict=True):
-            q.shadowed = None
+            q.shadowed, q.confidence = None, ()
             if q.drafting >= 2:  # the drafter ran: what its whole block would have been accepted as
                 q.unseen = 0
                 made = min(q.drafting, q.max_tokens - q.emitted + 1)
                 q.shadowed = self.s.routing.round(q.route, q.rounds, made, q.emitted - 1).acceptance_length - 1
+                if q.cut is not None and self.confidence is not None and made >= 2:  # cut as the drafter lane does
+                    q.confidence = self.confidence.draw(made - 1, q.shadowed, q.route, q.rounds)
+                    size = q.cut.block(q.confidence)
             r = q.pending = self.s.routing.round(q.route, q.rounds, size, q.emitted - 1)
             q.resident = resident - q.anchor_fetch
             expected = q.expected = (
-                expected_committed(q.acceptance.estimate(), size) if q.acceptance is not None else 1.0
+                self.planner.expected_tokens(q.acceptance, size, q.confidence) if q.acceptance is not None else 1.0
             )
             full = union_bytes(r.projected, self.s.byte_map)
             fetch = union_bytes(r.projected - resident, self.s.byte_map)
@@ -331,6 +340,7 @@ class Simulator:
             q.acceptance.record(r.tokens, r.acceptance_length - 1)
         if r.tokens >= 2:
             self.planner.observe_committed(q.expected, r.acceptance_length)
+            self.planner.observe_drafts(q.confidence, r.tokens, r.acceptance_length - 1)
         q.rounds += 1
         q.unseen += accepted
         q.lengths.append(accepted)

@@ -21,7 +21,7 @@ import numpy as np
 
 from pdflash.spec.acceptance import AcceptanceModel, ConfidenceCalibration, SequenceAcceptance
 from pdflash.spec.policy import SPECULATION, PolicyInputs, RoundCosts, VerifyCut, choose_block, expected_committed
-from pdflash.spec.session import DraftResult, RoundTrace
+from pdflash.spec.session import RoundTrace
 
 EMA_WEIGHT = 0.1  # weight of the newest observation in the running estimates
 SIZE_WINDOW = 20  # verifies of one size behind its running mean (a plain mean until then)
@@ -385,17 +385,19 @@ class SpeculationPlanner:
             return None
         return VerifyCut(inputs=inputs, table=self.confidence.table())
 
-    def expected_tokens(self, acceptance: SequenceAcceptance, draft: DraftResult) -> float:
-        """E[committed] of a pending verify, uncalibrated: read off its drafts' confidence where the
-        drafter gave one, else off the sequence's mean estimate."""
-        if draft.confidence:
-            return expected_committed(self.confidence.table().of(draft.confidence), draft.tokens)
-        return expected_committed(acceptance.estimate(), draft.tokens)
+    def expected_tokens(self, acceptance: SequenceAcceptance, tokens: int, confidence: tuple[float, ...]) -> float:
+        """E[committed] of a pending verify of `tokens` tokens, uncalibrated: read off its drafts'
+        `confidence` where the drafter gave one (DraftResult.confidence), else off the sequence's
+        mean estimate."""
+        if confidence:
+            return expected_committed(self.confidence.table().of(confidence), tokens)
+        return expected_committed(acceptance.estimate(), tokens)
 
-    def observe_drafts(self, draft: DraftResult, accepted_drafts: int) -> None:
-        """A verify accepted `accepted_drafts` of a round's drafts: what their confidence told."""
-        if draft.confidence:
-            self.confidence.observe(draft.confidence[: draft.tokens - 1], accepted_drafts)
+    def observe_drafts(self, confidence: tuple[float, ...], tokens: int, accepted_drafts: int) -> None:
+        """A verify of `tokens` tokens accepted `accepted_drafts` of its drafts, drafted with these
+        confidences (the block's, then its shadow's): what the confidence told."""
+        if confidence:
+            self.confidence.observe(confidence[: tokens - 1], accepted_drafts)
 
     def drafted_tokens(self, block: int, *, greedy: bool) -> int:
         """Tokens the drafter makes for a round that verifies `block` (anchor included; 1: the
