@@ -13,7 +13,9 @@ from chi_square import chi_square
 
 from pdflash.bundled import default_drafter, default_target
 from pdflash.sampling import SamplingParams, probabilities
+from pdflash.spec.acceptance import CONFIDENCE_EDGES, ConfidenceTable
 from pdflash.spec.drafter import load_drafter
+from pdflash.spec.policy import PolicyInputs, RoundCosts, VerifyCut
 from pdflash.spec.speculator import Speculator
 from pdflash.target.loader import load_target
 from pdflash.target.tiny import write_tiny_drafter, write_tiny_target
@@ -123,17 +125,28 @@ def next_token_probs(model, prompt: list[int], prefixes: list[list[int]], params
     return probabilities(logits, params).double()
 
 
-def sampled_outputs(spec: Speculator, prompt: list[int], params: SamplingParams, seeds: int, chunk: int = 250):
-    """[seeds, max_tokens] tokens emitted by seeded requests 0 … seeds-1, and the drafts each first round kept."""
+def sampled_outputs(
+    spec: Speculator,
+    prompt: list[int],
+    params: SamplingParams,
+    seeds: int,
+    chunk: int = 250,
+    cut: VerifyCut | None = None,
+    verified: list[int] | None = None,
+):
+    """[seeds, max_tokens] tokens emitted by seeded requests 0 … seeds-1, and the drafts each first
+    round kept. With `cut`, every round's drafts are cut by it; `verified` collects each round's length."""
     outputs, first_round = [], []
     for start in range(0, seeds, chunk):
         batch = [(prompt, attrs.evolve(params, seed=s)) for s in range(start, min(start + chunk, seeds))]
         sessions = spec.begin_sessions(batch)
-        spec.draft_rounds(sessions)
+        drafts = spec.draft_rounds(sessions, cuts=[cut] * len(sessions))
         first_round += [r.accepted_drafts for r in spec.verify_rounds(sessions)]
         while live := [s for s in sessions if not s.finished]:
-            spec.draft_rounds(live)
+            drafts += spec.draft_rounds(live, cuts=[cut] * len(live))
             spec.verify_rounds(live)
+        if verified is not None:
+            verified += [d.tokens for d in drafts]
         outputs += [s.emitted for s in sessions]
         for s in sessions:
             spec.release(s)
@@ -152,6 +165,37 @@ def test_tokens_at_every_block_position_follow_the_target(pair, params):
     outputs, first_round = sampled_outputs(spec, PROMPT, params, SEEDS)
     deep = torch.bincount(first_round, minlength=4)  # first rounds by drafts accepted
     assert deep[2:].sum() > 50, f"too few deep acceptances to exercise the later block positions: {deep.tolist()}"
+    for j, marginal in enumerate(output_marginals(loaded.model, PROMPT, params, 4)):
+        fit = chi_square(torch.bincount(outputs[:, j], minlength=VOCAB), marginal)
+        assert fit.p_value > 1e-3, f"output token {j}: {fit}"
+
+
+def stop_at_doubt(block: int, sure_above: float) -> VerifyCut:
+    """A cut that verifies the drafts up to the first one whose confidence is at most `sure_above`
+    (at least one): drafts above it are believed always accepted, those below never, and a
+    verify costs the same whatever its length."""
+    inputs = PolicyInputs(
+        acceptance=(0.5,) * (block - 1),
+        prefix_fetch_bytes=(0,) * block,
+        costs=RoundCosts(round_s=1.0, block_s=(0.0,) * block, draft_s=0.0, link_bytes_per_s=None),
+    )
+    edge = CONFIDENCE_EDGES.index(sure_above)
+    table = ConfidenceTable(tuple(0.0 if i <= edge else 1.0 for i in range(len(CONFIDENCE_EDGES) + 1)))
+    return VerifyCut(inputs=inputs, table=table)
+
+
+def test_a_verify_cut_by_the_peaks_of_q_keeps_the_target_distribution(pair):
+    """Drafts are cut where the drafter doubts (pdflash.spec.policy.VerifyCut), read off the peak of
+    each q, which does not depend on what was drawn from it: every output token keeps the target's
+    marginal while the verify lengths vary from round to round."""
+    loaded, drafter = pair
+    params = SamplingParams(temperature=2.0, max_tokens=4)  # q's peaks 0.77-0.80 in the first round
+    spec = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes)
+    verified: list[int] = []
+    cut = stop_at_doubt(spec.block_size, 0.6)  # verifies 2, 3 and 4 tokens, each in 1/5 of the rounds or more
+    outputs, _ = sampled_outputs(spec, PROMPT, params, SEEDS, cut=cut, verified=verified)
+    lengths = torch.bincount(torch.tensor(verified), minlength=spec.block_size + 1)
+    assert (lengths[2:] > 1000).all(), f"the cut did not vary the verify length enough: {lengths.tolist()}"
     for j, marginal in enumerate(output_marginals(loaded.model, PROMPT, params, 4)):
         fit = chi_square(torch.bincount(outputs[:, j], minlength=VOCAB), marginal)
         assert fit.p_value > 1e-3, f"output token {j}: {fit}"

@@ -295,10 +295,11 @@ def test_a_greedy_sequence_drafts_when_a_draw_says_so_and_verifies_as_far_as_the
     assert {3, 4} <= set(sampled), sampled
 
 
-def test_a_greedy_round_that_drafts_is_cut_by_its_drafts_confidence_once_they_are_made():
-    """The planner hands a greedy drafting round a cut (the policy again, at the mean, with the
-    drafter's confidence for acceptance); a plain, sampled, fixed or unpriced round none. A pending
-    verify is expected to commit what its drafts' confidence says, and verifies teach the table."""
+def test_a_round_that_drafts_is_cut_by_its_drafts_confidence_once_they_are_made():
+    """The planner hands a drafting round a cut (the policy again, at the mean, with the drafter's
+    confidence for acceptance, from the table of its kind of draft); a plain, fixed or unpriced
+    round none. A pending verify is expected to commit what its drafts' confidence says, and
+    verifies teach the table of their kind."""
     planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e5)
     seq = planner.track()
     assert planner.cut(seq, 4, greedy=True) is None  # nothing measured: nothing to price a cut with
@@ -307,7 +308,9 @@ def test_a_greedy_round_that_drafts_is_cut_by_its_drafts_confidence_once_they_ar
         verified(planner, [trace(4, (1000, 600, 600, 600), further=600)] * 2, 0.02)
     cut = planner.cut(seq, 2, greedy=True)
     assert cut is not None and cut.inputs == planner.inputs(seq) and cut.table == planner.confidence.table()
-    assert planner.cut(seq, 1, greedy=True) is None and planner.cut(seq, 4, greedy=False) is None
+    assert planner.cut(seq, 1, greedy=True) is None
+    drawn = planner.cut(seq, 4, greedy=False)
+    assert drawn is not None and drawn.table == planner.sampled_confidence.table()
     assert SpeculationPlanner("fixed", 4, link_bytes_per_s=1e5).cut(seq, 4, greedy=True) is None
 
     sure = (0.97, 0.97, 0.97)  # a block of 3 with a shadow draft: the drafter's confidence in each draft
@@ -317,6 +320,12 @@ def test_a_greedy_round_that_drafts_is_cut_by_its_drafts_confidence_once_they_ar
         planner.observe_drafts(sure, 3, accepted_drafts=0)
     assert planner.confidence.table().of((0.97,))[0] < 0.05
     assert planner.expected_tokens(seq, 3, sure) < 1.05
+    # drawn drafts keep their own table: what argmax drafts taught does not move it
+    assert planner.expected_tokens(seq, 3, sure, greedy=False) == pytest.approx(1 + 0.97 + 0.97**2)  # its prior
+    for _ in range(500):
+        planner.observe_drafts(sure, 3, accepted_drafts=2, greedy=False)
+    assert planner.sampled_confidence.table().of((0.97,))[0] > 0.95
+    assert planner.confidence.table().of((0.97,))[0] < 0.05
 
 
 def test_the_verify_fit_is_solved_at_the_next_launch_when_its_sizes_change_and_every_few_verifies():
@@ -385,7 +394,7 @@ def test_a_position_no_verify_reaches_fades_toward_what_one_more_token_adds():
 def test_a_greedy_sequence_drafts_the_whole_block_whatever_it_verifies():
     planner = SpeculationPlanner("adaptive", 4, link_bytes_per_s=1e6)
     assert [planner.drafted_tokens(b, greedy=True) for b in (1, 2, 3, 4)] == [1, 4, 4, 4]
-    assert planner.drafted_tokens(2, greedy=False) == 2  # a sampled block drafts what it verifies (its draws)
+    assert planner.drafted_tokens(2, greedy=False) == 2  # a sampled block drafts what it plans (a cut only shortens)
     assert SpeculationPlanner("fixed", 4, link_bytes_per_s=1e6).drafted_tokens(4, greedy=True) == 4
 
 
@@ -573,6 +582,40 @@ async def test_the_engine_verifies_as_far_as_each_rounds_cut_chooses_from_its_dr
         assert len(d.confidence) == len(d.block) + len(d.shadow) - 1
         assert len(d.block) == min(c.block(d.confidence), len(d.confidence) + 1)
     assert sum(engine.planner.confidence._trials) > 0
+
+
+@pytest.mark.asyncio
+async def test_unseeded_sampled_rounds_are_cut_by_the_peaks_of_their_q_and_penalized_ones_are_not(make_engine):
+    """An unseeded sampled round drafts its planned block and is cut within it by the peak of each q
+    its drafts were drawn from; its verifies teach the sampled table, not the greedy one. A
+    penalized request keeps its planned block."""
+    engine = make_engine(provider=SlowLink())
+    engine.planner.plan = lambda acceptance, greedy=False: 3
+    cuts, drafts = [], []
+    cut = engine.planner.cut
+    engine.planner.cut = lambda *args, **kwargs: cuts.append(out := cut(*args, **kwargs)) or out
+    draft_rounds = engine._work.draft_rounds
+    engine._work.draft_rounds = lambda batch: drafts.extend(out := draft_rounds(batch)) or out
+    drawn = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9)
+    async with engine:
+        await collect(engine.generate(PROMPTS[0], GREEDY))  # a verify measured: later rounds are priced
+        cuts.clear(), drafts.clear()
+        *_, last = await collect(engine.generate(PROMPTS[1], drawn))
+        priced = [(c, d) for c, d in zip(cuts, drafts, strict=True) if c is not None]
+        assert priced and len(cuts) == len(drafts) == len(last.metrics.block_sizes)
+        for c, d in priced:
+            assert d.shadow == () and len(d.confidence) == len(d.block) - 1 and len(d.block) <= 3
+            assert d.draft_probs is not None and d.draft_probs.shape[0] == len(d.block) - 1
+            assert d.confidence == pytest.approx(d.draft_probs.max(dim=-1).values.tolist())
+            assert c.block(d.confidence) <= len(d.block)  # the cut's choice (or less, where the end clipped it)
+        early = priced[: len(priced) // 2]  # far from the request's end: the cut alone decided
+        assert early and all(c.block(d.confidence) == len(d.block) for c, d in early)
+        assert sum(engine.planner.sampled_confidence._trials) > 0
+        cuts.clear(), drafts.clear()
+        penalized = SamplingParams(max_tokens=12, temperature=0.8, repetition_penalty=1.2)
+        *_, last = await collect(engine.generate(PROMPTS[1], penalized))
+        assert all(c is None for c in cuts) and all(d.confidence == () for d in drafts)
+        assert set(last.metrics.block_sizes[:-1]) <= {3}
 
 
 @pytest.mark.asyncio

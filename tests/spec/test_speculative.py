@@ -1,5 +1,6 @@
 """DFlash rounds: lossless greedy output, the round order, projections and their byte sums."""
 
+import attrs
 import pytest
 import torch
 
@@ -133,7 +134,8 @@ class CutBelowMean:
 def test_drafts_cut_by_the_drafters_confidence_keep_the_output(loaded, drafter):
     """Greedy rounds that draft the whole block and verify what a cut chooses from the drafter's
     confidence in each draft (its probability of the argmax it drafted) equal plain decoding; the
-    drafts past the cut are the round's shadow; a sampled session is not cut."""
+    drafts past the cut are the round's shadow. An unseeded sampled session is cut by the peaks of
+    its q and keeps no shadow; a penalized one is not cut."""
     params = SamplingParams(max_tokens=30)
     spec = speculator(loaded, drafter, block_size=8)
     expected = [generate_autoregressive(loaded.model, p, params).token_ids for p in PROMPTS]
@@ -150,9 +152,25 @@ def test_drafts_cut_by_the_drafters_confidence_keep_the_output(loaded, drafter):
         spec.verify_rounds(live)
     assert [tuple(s.emitted) for s in sessions] == expected
     assert len(lengths) >= 3  # the confidence, not the planned 2, decided
-    sampled = spec.begin_sessions([(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.8, seed=3))])
-    [d] = spec.draft_rounds(sampled, [3], None, [cut])
-    assert d.tokens == 3 and d.confidence == ()
+    drawn = SamplingParams(max_tokens=30, temperature=0.8)
+    sampled = spec.begin_sessions([(PROMPTS[0], drawn), (PROMPTS[1], attrs.evolve(drawn, repetition_penalty=1.3))])
+    asked = Asked(3)
+    d, penalized = spec.draft_rounds(sampled, [8, 3], None, [asked, asked])
+    assert len(asked.confidence) == 1 and len(asked.confidence[0]) == 7  # asked once, with every draft's peak
+    assert d.tokens == 3 and d.shadow == () and d.confidence == asked.confidence[0][:2]
+    assert d.draft_probs.shape[0] == 2 and d.confidence == pytest.approx(d.draft_probs.max(dim=-1).values.tolist())
+    assert penalized.tokens == 3 and penalized.confidence == ()
+
+
+class Asked:
+    """Stands in for a VerifyCut: records the confidences it is asked about and verifies `block`."""
+
+    def __init__(self, block: int) -> None:
+        self.verify, self.confidence = block, []
+
+    def block(self, confidence: tuple[float, ...]) -> int:
+        self.confidence.append(confidence)
+        return self.verify
 
 
 def test_position_bytes_share_each_expert_among_the_batch_that_routed_it(loaded, drafter):

@@ -392,7 +392,9 @@ class AsyncEngine:
     def _register(self, seq: Sequence, draft: DraftResult) -> Ticket:
         """Its pending verify's exact demand goes to the scheduler; the pacer may tick."""
         expected = (
-            self.planner.expected_tokens(seq.acceptance, draft.tokens, draft.confidence) if seq.acceptance else 1.0
+            self.planner.expected_tokens(seq.acceptance, draft.tokens, draft.confidence, greedy=seq.params.greedy)
+            if seq.acceptance
+            else 1.0
         )
         ticket = seq.ticket = self.scheduler.register(
             seq.request_id, draft.tokens, draft.expert_union, draft.expert_bytes, draft.fetch_bytes, expected
@@ -433,7 +435,9 @@ class AsyncEngine:
                     seq.acceptance.record(outcome.block, outcome.accepted)
                 if trace.tokens >= 2:  # what the drafts realized against what the policy expected of them
                     self.planner.observe_committed(seq.expected_tokens, verified.accepted_drafts + 1)
-                    self.planner.observe_drafts(seq.draft.confidence, trace.tokens, verified.accepted_drafts)
+                    self.planner.observe_drafts(
+                        seq.draft.confidence, trace.tokens, verified.accepted_drafts, greedy=seq.params.greedy
+                    )
             seq.expert_bytes += trace.expert_bytes
             seq.fetch_bytes += trace.fetch_bytes
             self._totals.verify_rounds += 1

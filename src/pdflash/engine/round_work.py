@@ -60,9 +60,18 @@ class RoundWork:
     def cut(self, seq: Sequence) -> VerifyCut | None:
         """How its drafts are cut once made (the planner's rule; None: its planned block stands)."""
         assert seq.acceptance is not None
-        if self.speculator.drafter is None:
+        if self.speculator.drafter is None or not self.cuttable(seq):
             return None
         return self.planner.cut(seq.acceptance, seq.planned_block, greedy=seq.params.greedy)
+
+    @staticmethod
+    def cuttable(seq: Sequence) -> bool:
+        """Whether its drafts may be cut once made: a greedy request's always; a sampled one's when
+        it has no seed (a seed's draws depend on how its tokens split into rounds) and no
+        penalties (a penalized draft's q depends on the drafts drawn before it, so a cut read off
+        those q would depend on the draws: pdflash.spec.speculator.Speculator.draft_rounds)."""
+        params = seq.params
+        return params.greedy or (params.seed is None and not params.penalized)
 
     def draft_rounds(self, batch: list[Sequence]) -> list[DraftResult]:  # on the drafter lane
         pairs = [(s, s.session) for s in batch if s.session is not None]

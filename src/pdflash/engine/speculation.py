@@ -245,7 +245,10 @@ class SpeculationPlanner:
         self.mode, self.max_block, self.link_bytes_per_s = mode, max_block, link_bytes_per_s
         self.routing = routing  # None: verify seconds are fitted as a line in tokens alone
         self.acceptance = AcceptanceModel(max_block)
-        self.confidence = ConfidenceCalibration()  # acceptance by the drafter's confidence (greedy drafts)
+        # acceptance by the drafter's confidence: an argmax draft's and a drawn one's are different
+        # bets (a drawn draft is accepted with chance Σ min(p, q), whatever q's peak)
+        self.confidence = ConfidenceCalibration()  # greedy drafts
+        self.sampled_confidence = ConfidenceCalibration()  # drafts drawn from q
         self._fit = _ComputeFit()  # verifies: sizes are tokens
         self._draft_fit = _ComputeFit()  # drafter calls: sizes are sequences drafted
         self._draft_s: float | None = None  # EMA: drafter seconds per drafted sequence, as the calls ran
@@ -378,33 +381,44 @@ class SpeculationPlanner:
         return block
 
     def cut(self, acceptance: SequenceAcceptance, block: int, *, greedy: bool) -> VerifyCut | None:
-        """How a greedy sequence's planned block of drafts is cut once they are made (the policy
-        asked again, each draft's acceptance read off the drafter's confidence in it); None where
-        the round does not draft, is not greedy, or speculation is fixed."""
-        if not (self.adaptive and greedy and block >= 2) or (inputs := self.inputs(acceptance)) is None:
+        """How a sequence's planned block of drafts is cut once they are made (the policy asked
+        again, each draft's acceptance read off the drafter's confidence in it, by the table of
+        its kind of draft); None where the round does not draft or speculation is fixed. Whether a
+        sampled request's drafts may be cut at all is its own (pdflash.engine.round_work)."""
+        if not (self.adaptive and block >= 2) or (inputs := self.inputs(acceptance)) is None:
             return None
-        return VerifyCut(inputs=inputs, table=self.confidence.table())
+        return VerifyCut(inputs=inputs, table=self._calibration(greedy).table())
 
-    def expected_tokens(self, acceptance: SequenceAcceptance, tokens: int, confidence: tuple[float, ...]) -> float:
+    def expected_tokens(
+        self, acceptance: SequenceAcceptance, tokens: int, confidence: tuple[float, ...], *, greedy: bool = True
+    ) -> float:
         """E[committed] of a pending verify of `tokens` tokens, uncalibrated: read off its drafts'
         `confidence` where the drafter gave one (DraftResult.confidence), else off the sequence's
         mean estimate."""
         if confidence:
-            return expected_committed(self.confidence.table().of(confidence), tokens)
+            return expected_committed(self._calibration(greedy).table().of(confidence), tokens)
         return expected_committed(acceptance.estimate(), tokens)
 
-    def observe_drafts(self, confidence: tuple[float, ...], tokens: int, accepted_drafts: int) -> None:
+    def observe_drafts(
+        self, confidence: tuple[float, ...], tokens: int, accepted_drafts: int, *, greedy: bool = True
+    ) -> None:
         """A verify of `tokens` tokens accepted `accepted_drafts` of its drafts, drafted with these
-        confidences (the block's, then its shadow's): what the confidence told."""
+        confidences (the block's, then a greedy block's shadow's): what the confidence told."""
         if confidence:
-            self.confidence.observe(confidence[: tokens - 1], accepted_drafts)
+            self._calibration(greedy).observe(confidence[: tokens - 1], accepted_drafts)
+
+    def _calibration(self, greedy: bool) -> ConfidenceCalibration:
+        return self.confidence if greedy else self.sampled_confidence
 
     def drafted_tokens(self, block: int, *, greedy: bool) -> int:
         """Tokens the drafter makes for a round that verifies `block` (anchor included; 1: the
         drafter does not run). A greedy sequence under adaptive speculation drafts the whole block
         whenever the drafter runs (one forward drafts it all) and leaves what it does not verify
         to be read against the tokens it commits next (pdflash.spec.shadow): each draft teaches
-        the acceptance estimates of every position, not only of those the policy chose to verify."""
+        the acceptance estimates of every position, not only of those the policy chose to verify.
+        A sampled sequence drafts its planned block, and a cut only shortens it: its drafts
+        teach nothing past the verify, and letting a cut run past the plan fetched more bytes per
+        token (link-bound, c = 1: 0.94x)."""
         if self.adaptive and greedy and block >= 2:
             return self.max_block
         return block

@@ -40,8 +40,9 @@ class DraftResult:
     # [b-1, V] the distribution q each draft was drawn from (rejection sampling tests against it);
     # None: point masses, i.e. argmax drafts (greedy) or a block set by hand
     draft_probs: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
-    # [d]: the drafter's probability of each argmax draft made (the block's, then the shadow's);
-    # () for a plain round or sampled drafts
+    # [d]: the drafter's confidence at each draft's position, the peak of its distribution there
+    # (greedy: the block's drafts, then the shadow's; sampled: the block's, peaks of the q drawn
+    # from); () for a plain round or penalized sampled drafts
     confidence: tuple[float, ...] = attrs.field(default=(), eq=False, repr=False)
     # drafts made past the block and not verified (a greedy session drafts the whole block whatever
     # it verifies): what they would have been accepted as is read off the tokens the target commits

@@ -131,10 +131,13 @@ class Speculator:
         (default `sizes[i]`; at least it, at most the block size) is how many the drafter makes:
         those past `sizes[i]` are not verified, only kept as the result's `shadow` drafts, and
         only a greedy session may draft more than it verifies (its drafts are argmaxes, so the
-        extra ones change no random number the block's own drafts were drawn with). A greedy
-        session given `cuts[i]` verifies as many of its drafts as the cut chooses from the
-        drafter's confidence in each, once they are made (pdflash.spec.policy.VerifyCut); any
-        split of greedy tokens into verifies commits the same tokens.
+        extra ones change no random number the block's own drafts were drawn with). A session
+        given `cuts[i]` verifies as many of its drafts as the cut chooses from the drafter's
+        confidence in each, once they are made (pdflash.spec.policy.VerifyCut); a sampled one's
+        drafts cut are dropped. Both keep the output exact: any split of greedy tokens into
+        verifies commits the same tokens, and a sampled session's confidence is read off the q
+        its drafts were drawn from, not off the drafts (`_drafted_blocks`), so where its verify
+        stops does not depend on what was drawn.
         """
         for s in sessions:
             _check_draftable(s)
@@ -167,7 +170,14 @@ class Speculator:
             s.projection_s += share
         return [
             self._pend(
-                s, tuple(block.tolist()), tuple(whole[len(block) :].tolist()), q, sure, projection, resident, share
+                s,
+                tuple(block.tolist()),
+                tuple(whole[len(block) :].tolist()) if s.params.greedy else (),
+                q[: len(block) - 1] if q is not None else None,
+                sure if s.params.greedy else sure[: len(block) - 1],
+                projection,
+                resident,
+                share,
             )
             for s, block, whole, q, sure, projection in zip(
                 sessions, blocks, full, draft_probs, confidence, projections, strict=True
@@ -213,7 +223,10 @@ class Speculator:
         self, sessions: Sequence[SpecSession], sizes: list[int]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[tuple[float, ...]]]:
         """Each session's [b] anchor + drafts, the [b-1, V] q its drafts were drawn from (None: argmax),
-        and a greedy session's confidence in each draft: the drafter's probability of it (() otherwise)."""
+        and the drafter's confidence at each draft's position: the peak of its distribution there
+        (greedy: the softmax's, whose peak is the argmax drafted; sampled: the q drawn from, once
+        temperature, top-k and top-p shaped it). A sampled session with penalties gets none: each
+        of its q depends on the drafts drawn before it, so a cut by it would depend on the draws."""
         blocks = [torch.tensor([s.anchor], dtype=torch.int64) for s in sessions]
         probs: list[torch.Tensor | None] = [None] * len(sessions)
         confidence: list[tuple[float, ...]] = [()] * len(sessions)
@@ -233,13 +246,15 @@ class Speculator:
         for i, lg in zip(drafting, logits, strict=True):
             s = sessions[i]
             s.context = ()
-            drafts, probs[i] = rejection.propose(
+            drafts, q = rejection.propose(
                 lg, s.params, s.generator, prompt_ids=s.prompt_ids, output_ids=s.emitted, stop_ids=s.rule.stop_ids
             )
-            blocks[i] = torch.cat([blocks[i], drafts.cpu()])
-            if probs[i] is None:  # argmax drafts: how sure the drafter was of each
+            blocks[i], probs[i] = torch.cat([blocks[i], drafts.cpu()]), q
+            if q is None:  # argmax drafts: how sure the drafter was of each
                 sure = torch.softmax(lg.float(), dim=-1).gather(-1, drafts.view(-1, 1).to(lg.device))  # [b-1, 1]
                 confidence[i] = tuple(sure.view(-1).tolist())
+            elif not s.params.penalized:  # drawn: the peak of each q, whatever was drawn from it
+                confidence[i] = tuple(q.max(dim=-1).values.tolist())  # [b-1]
         return blocks, probs, confidence
 
     # -- verify --------------------------------------------------------------------------
