@@ -1,13 +1,15 @@
 """How well the drafter's confidence in a draft predicts that the target accepts it (bundled pair).
 
-Greedy speculative decoding of HumanEval headers with whole blocks verified. For every draft a
-verify reads (each up to the first rejected one), its confidence (`DraftResult.confidence`: the
-drafter's probability of the argmax it drafted) and whether it was accepted. Prints acceptance by
+Speculative decoding of HumanEval headers with whole blocks verified, greedy or (`--temperature`)
+sampled with rejection sampling. For every draft a verify reads (each up to the first rejected
+one), its confidence (`DraftResult.confidence`: the peak of the drafter's distribution at its
+position; greedy, the probability of the argmax it drafted) and whether it was accepted. Prints acceptance by
 confidence bucket (the buckets of pdflash.spec.acceptance.CONFIDENCE_EDGES), by block position,
 and the AUC of confidence for acceptance: the chance that an accepted draft was drafted with more
 confidence than a rejected one. This is what `VerifyCut` (pdflash.spec.policy) relies on.
 
-    PYTHONPATH=src python benchmarks/bench_confidence.py [--prompts 24] [--max-tokens 96] [--json FILE] [--plot PNG]
+    PYTHONPATH=src python benchmarks/bench_confidence.py [--prompts 24] [--max-tokens 96] [--temperature 0.7]
+        [--json FILE] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def auc(accepted: list[float], rejected: list[float]) -> float:
     return wins / (len(accepted) * len(rejected))
 
 
-def plot(buckets: list[dict], positions: list[dict], score: float, path: str) -> None:
+def plot(buckets: list[dict], positions: list[dict], score: float, decoding: str, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,7 +71,7 @@ def plot(buckets: list[dict], positions: list[dict], score: float, path: str) ->
     )
     ax.set_xlabel("drafter's confidence in its draft")
     ax.set_ylabel("share of drafts the target accepted")
-    ax.set_title("Bundled pair: acceptance against the drafter's confidence")
+    ax.set_title(f"Bundled pair, {decoding}: acceptance against the drafter's confidence", fontsize=10)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -78,7 +80,10 @@ def plot(buckets: list[dict], positions: list[dict], score: float, path: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=24, help="HumanEval headers to decode (default 24)")
-    parser.add_argument("--max-tokens", type=int, default=96, help="greedy tokens per prompt (default 96)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt (default 96)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default); above: sampled, unseeded, top-p 0.95"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--json", default=None, help="write the rows and summaries here")
     parser.add_argument("--plot", default=None, help="draw acceptance against confidence, and by position, to this PNG")
@@ -89,9 +94,13 @@ def main() -> None:
     drafter = load_drafter(default_drafter(target_dir), loaded.model)
     spec = Speculator(loaded.model, drafter, expert_nbytes=loaded.expert_nbytes)
     tokenizer = TextTokenizer(target_dir, ModelConfig.from_file(target_dir / "config.json").vocab_size)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if not params.greedy:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=0.95)
+    decoding = "greedy" if params.greedy else f"sampled at T={args.temperature}, top-p 0.95"
     rows: list[tuple[int, float, bool]] = []  # (position 1.., confidence, accepted)
     for text in tqdm(humaneval_prompts(args.prompts), desc="prompts"):
-        session = spec.begin_session(tokenizer.encode(text), SamplingParams(max_tokens=args.max_tokens))
+        session = spec.begin_session(tokenizer.encode(text), params)
         while not session.finished:
             [draft] = spec.draft_rounds([session])
             [result] = spec.verify_rounds([session])
@@ -99,7 +108,7 @@ def main() -> None:
             rows += [(k + 1, c, k < n) for k, c in enumerate(draft.confidence[: n + 1])]
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPU cores; bundled pair, blocks of {spec.block_size}, "
-        f"{args.prompts} HumanEval prompts, {args.max_tokens} greedy tokens each; {len(rows)} drafts read"
+        f"{args.prompts} HumanEval prompts, {args.max_tokens} tokens each, {decoding}; {len(rows)} drafts read"
     )
     buckets = []
     for i, (low, high) in enumerate(zip((0.0, *CONFIDENCE_EDGES), (*CONFIDENCE_EDGES, 1.0), strict=True)):
@@ -118,10 +127,19 @@ def main() -> None:
     score = auc([c for _, c, ok in rows if ok], [c for _, c, ok in rows if not ok])
     print(f"AUC of confidence for acceptance: {score:.3f}")
     if args.plot:
-        plot(buckets, positions, score, args.plot)
+        plot(buckets, positions, score, decoding, args.plot)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"auc": score, "buckets": buckets, "positions": positions, "rows": rows}, f)
+            json.dump(
+                {
+                    "temperature": args.temperature,
+                    "auc": score,
+                    "buckets": buckets,
+                    "positions": positions,
+                    "rows": rows,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Measures what a change did to the engine by running an older checkout (a `git worktree` of an
 earlier commit) and this one interleaved, on the same machine, in fresh processes: each run
 imports `pdflash` from one tree's `src/` (PYTHONPATH) and runs `--concurrency` clients of
-greedy HumanEval requests through `AsyncEngine.generate`, the API both trees share. Without
+HumanEval requests (greedy, or sampled with `--temperature`) through `AsyncEngine.generate`, the API both trees share. Without
 `--config` each tree loads the bundled pair resident (`AsyncEngine.from_pretrained`); with
 `--config NAME` (a `pdflash bench` configuration, e.g. `ar` or `adaptive`) it builds that
 configuration's engine as `pdflash bench` does, behind the same emulated link for both trees
@@ -51,7 +51,7 @@ else:  # as pdflash bench builds it, behind the link the parent measured
         max_tokens=job["max_tokens"], min_requests=1, repeats=1,
     )
     engine = engine_recipe(plan, TimeScale(**job["scale"])).build(plan, config)
-params = SamplingParams(max_tokens=job["max_tokens"])
+params = SamplingParams(max_tokens=job["max_tokens"], temperature=job["temperature"], top_p=job["top_p"])
 prompts = job["prompts"]
 
 async def client(c, tokens):
@@ -95,7 +95,13 @@ def main() -> None:
     parser.add_argument("trees", nargs=2, type=Path, help="the baseline tree, then the tree measured against it")
     parser.add_argument("--concurrency", type=int, default=16, help="closed-loop clients (default 16)")
     parser.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends (default 2)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default 64)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (default); above: sampled requests, unseeded, top-p 0.95",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per tree; medians kept (default 3)")
     parser.add_argument(
         "--threads", type=int, default=2, help="torch threads per run (default 2: the lanes split them)"
@@ -146,10 +152,13 @@ def main() -> None:
         "prompts": prompts,
         "config": args.config,
         "scale": attrs.asdict(scale) if scale is not None else None,
+        "temperature": args.temperature,
+        "top_p": 0.95 if args.temperature > 0 else 1.0,
     }
+    decoding = "greedy" if args.temperature == 0 else f"sampled at T={args.temperature}, top-p 0.95"
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs), "
-        f"torch threads {args.threads}; {setting}; greedy, c={args.concurrency}, "
+        f"torch threads {args.threads}; {setting}; {decoding}, c={args.concurrency}, "
         f"{args.requests_per_client} requests per client, {args.max_tokens} tokens each"
     )
     rates: dict[Path, list[float]] = {tree: [] for tree in args.trees}

@@ -29,7 +29,8 @@ def test_the_auc_counts_pairs_an_accepted_draft_was_surer_in_ties_half():
     assert auc([0.5], []) != auc([0.5], [])  # nan: nothing to compare
 
 
-def test_the_confidence_tables_on_the_bundled_pair(monkeypatch, capsys):
+@pytest.mark.parametrize("temperature", ["0", "0.7"], ids=["greedy", "sampled"])
+def test_the_confidence_tables_on_the_bundled_pair(monkeypatch, capsys, temperature):
     monkeypatch.setattr("pdflash.bench.workload.humaneval_prompts", lambda n: ["def add(a, b):", "class Stack:"][:n])
     argv = [
         str(SCRIPT),
@@ -39,6 +40,8 @@ def test_the_confidence_tables_on_the_bundled_pair(monkeypatch, capsys):
         "12",
         "--threads",
         "1",
+        "--temperature",
+        temperature,
     ]  # no plot: matplotlib is the bench extra's
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(SCRIPT), run_name="__main__")
