@@ -17,9 +17,10 @@ it: below the break-even it never drafted again to learn otherwise (resident, co
 plain decoding at 0.79x the whole block's tokens/s). The sequences that plan between two
 verifies decide on one draw (`AcceptanceModel.next_draw`): alike, they decide alike.
 
-Once a greedy block is drafted, what each of its drafts is worth is read instead off the
-drafter's confidence in it (`ConfidenceCalibration`, pooled over sequences and positions): the
-acceptance a cut of the block is decided on (pdflash.spec.policy.VerifyCut).
+Once a block is drafted, what each of its drafts is worth is read instead off the drafter's
+confidence in it (`ConfidenceCalibration`, pooled over sequences and positions, one for argmax
+drafts and one for drawn ones): the acceptance a cut of the block is decided on
+(pdflash.spec.policy.VerifyCut).
 """
 
 from __future__ import annotations
@@ -177,9 +178,11 @@ class SequenceAcceptance:
         self._model._observe(block, accepted_drafts)
 
 
-# A greedy draft's confidence is the drafter's probability of the token it drafted. Buckets by
-# confidence, bounded above by these edges (the last bucket runs to 1): on the bundled pair the
-# drafts of confidence below 0.2 were accepted 15% of the time, those above 0.95 99%.
+# A draft's confidence is the peak of the drafter's distribution at its position (greedy: the
+# probability of the argmax it drafted; sampled: of q's likeliest token). Buckets by confidence,
+# bounded above by these edges (the last bucket runs to 1): on the bundled pair the greedy drafts
+# of confidence below 0.2 were accepted 15% of the time, those above 0.95 99%; drawn drafts at
+# T = 0.7, 16% below 0.3 and 75% above 0.99.
 CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
 CONFIDENCE_PRIOR_WEIGHT = 8.0  # pseudo-trials behind each bucket's prior (its own middle: calibrated)
 CONFIDENCE_DECAY = 0.999  # per observed draft: the last ~1,000 drafts

@@ -9,10 +9,10 @@ commits E[b] = 1 + κ·Σ_{k<b} Π_{j≤k} a_j tokens (a_j: the chance draft j i
 where block_s(b) is the verify compute the first b tokens add to the batch (not linear in b
 for a MoE target: a batch's distinct experts saturate as its tokens grow) and fetch_bytes(b)
 is what their projected union adds to the experts that are resident or already coming (the
-figure the scheduler charges). b = 1 is plain decoding: no drafter forward. Once a greedy
-round's drafts are made, how far to verify them is asked again (`VerifyCut`): the drafter's
-cost is spent by then, and each draft's acceptance is read off the drafter's confidence in it
-rather than its position's average. Everything here is a frozen value in, a frozen value out;
+figure the scheduler charges). b = 1 is plain decoding: no drafter forward. Once a round's
+drafts are made, how far to verify them is asked again (`VerifyCut`): the drafter's cost is
+spent by then, and each draft's acceptance is read off the drafter's confidence in it rather
+than its position's average. Everything here is a frozen value in, a frozen value out;
 the estimates it is handed live in pdflash.spec.acceptance and the engine's cost model.
 """
 
