@@ -270,6 +270,7 @@ class SpeculationPlanner:
         self._realized_blocks = _Realized()  # tokens and seconds of sequence-rounds that verified blocks
         self._realized_plain = _Realized()  # ... and of plain ones
         self._plain_since_block = 0  # plain sequence-rounds since the last block round
+        self._blocks_seen = False  # a block round has been observed (plain ones before it are not compared)
         self.vetoed = 0  # rounds the policy would have drafted that the realized rates kept plain
 
     @property
@@ -525,7 +526,12 @@ class SpeculationPlanner:
         verifying), whatever the others in its batches did. What `drafting_loses` compares."""
         if block >= 2:
             self._realized_blocks.observe(committed, seconds)
-            self._plain_since_block = 0
+            self._plain_since_block, self._blocks_seen = 0, True
+            return
+        if not self._blocks_seen:
+            # before any block round, plain rounds ran in batches still forming (prefill waves, a
+            # link-bound engine's unpriced first rounds): at c = 32 their rate was 1.4x that of the
+            # plain rounds among full batches, and vetoed ~60 block rounds after every cold start
             return
         self._realized_plain.observe(committed, seconds)
         self._plain_since_block += 1
