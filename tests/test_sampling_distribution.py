@@ -171,9 +171,9 @@ def test_tokens_at_every_block_position_follow_the_target(pair, params):
 
 
 def stop_at_doubt(block: int, sure_above: float) -> VerifyCut:
-    """A cut that verifies the drafts up to the first one whose confidence is at most `sure_above`
-    (at least one): drafts above it are believed always accepted, those below never, and a
-    verify costs the same whatever its length."""
+    """A cut that verifies the drafts before the first one whose confidence is below `sure_above`
+    (at least one draft): drafts at or above it are believed always accepted, those below never,
+    and a verify costs the same whatever its length."""
     inputs = PolicyInputs(
         acceptance=(0.5,) * (block - 1),
         prefix_fetch_bytes=(0,) * block,

@@ -417,9 +417,9 @@ class SpeculationPlanner:
         whenever the drafter runs (one forward drafts it all) and leaves what it does not verify
         to be read against the tokens it commits next (pdflash.spec.shadow): each draft teaches
         the acceptance estimates of every position, not only of those the policy chose to verify.
-        A sampled sequence drafts its planned block, and a cut only shortens it: its drafts
-        teach nothing past the verify, and letting a cut run past the plan fetched more bytes per
-        token (link-bound, c = 1: 0.94x)."""
+        A sampled sequence drafts its planned block, and a cut only shortens it: a drawn draft
+        past the verify teaches nothing (only an argmax draft can be read against the tokens
+        committed after it), so drafting past the plan would buy only the chance of a longer cut."""
         if self.adaptive and greedy and block >= 2:
             return self.max_block
         return block
