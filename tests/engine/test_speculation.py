@@ -578,17 +578,24 @@ async def test_short_blocks_draft_the_whole_block_and_read_the_rest_as_shadow_dr
     assert engine.planner.acceptance._global.trials[0] > 0
 
 
-@pytest.mark.asyncio
-async def test_the_engine_verifies_as_far_as_each_rounds_cut_chooses_from_its_drafts(make_engine, reference):
-    """Behind a link, every greedy drafted round is cut on the drafter lane by the cut its plan
-    made, from the drafter's confidence in each draft; what it verifies teaches the confidence table."""
-    engine = make_engine(provider=SlowLink())
+def planned_three_and_recorded(engine) -> tuple[list, list]:
+    """Every round of `engine` plans a block of 3; returns the lists its cuts (as the planner made
+    them) and its drafted rounds (as the drafter lane returned them) are appended to."""
     engine.planner.plan = lambda acceptance, greedy=False: 3
     cuts, drafts = [], []
     cut = engine.planner.cut
     engine.planner.cut = lambda *args, **kwargs: cuts.append(out := cut(*args, **kwargs)) or out
     draft_rounds = engine._work.draft_rounds
     engine._work.draft_rounds = lambda batch: drafts.extend(out := draft_rounds(batch)) or out
+    return cuts, drafts
+
+
+@pytest.mark.asyncio
+async def test_the_engine_verifies_as_far_as_each_rounds_cut_chooses_from_its_drafts(make_engine, reference):
+    """Behind a link, every greedy drafted round is cut on the drafter lane by the cut its plan
+    made, from the drafter's confidence in each draft; what it verifies teaches the confidence table."""
+    engine = make_engine(provider=SlowLink())
+    cuts, drafts = planned_three_and_recorded(engine)
     async with engine:
         ids, _, last = await collect(engine.generate(PROMPTS[0], GREEDY))
     assert ids == reference(PROMPTS[0])  # lossless
@@ -607,12 +614,7 @@ async def test_unseeded_sampled_rounds_are_cut_by_the_peaks_of_their_q_and_penal
     its drafts were drawn from; its verifies teach the sampled table, not the greedy one. A
     penalized request keeps its planned block."""
     engine = make_engine(provider=SlowLink())
-    engine.planner.plan = lambda acceptance, greedy=False: 3
-    cuts, drafts = [], []
-    cut = engine.planner.cut
-    engine.planner.cut = lambda *args, **kwargs: cuts.append(out := cut(*args, **kwargs)) or out
-    draft_rounds = engine._work.draft_rounds
-    engine._work.draft_rounds = lambda batch: drafts.extend(out := draft_rounds(batch)) or out
+    cuts, drafts = planned_three_and_recorded(engine)
     drawn = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9)
     async with engine:
         await collect(engine.generate(PROMPTS[0], GREEDY))  # a verify measured: later rounds are priced
