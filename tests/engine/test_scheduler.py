@@ -653,14 +653,18 @@ def test_yield_ranks_only_the_oldest_look_ahead_and_keeps_arrival_order_behind_t
     assert sched.tick(resident=set(), in_flight_union=set()).admitted_ids == best_ranked
 
 
+EVERY_EXPERT = dict(byte_budget=8 * 40, byte_cap=8 * 40)  # every expert's bytes of an 8-expert map
+
+
 def test_when_every_waiting_demand_fits_the_yield_order_is_not_computed(monkeypatch):
     """A pool of every expert's bytes and every waiting token admits them all in any order (the
     derived budgets' every tick): the tick neither ranks nor charges them; one token short, it
     ranks again."""
     byte_map = {(0, e): 40 for e in range(8)}
     for tokens_short, admitted in ((0, ("poor", "rich")), (1, ("rich",))):
-        every = dict(byte_budget=8 * 40, byte_cap=8 * 40)  # every expert's bytes
-        sched = two_d(charge_mode="marginal", byte_map=byte_map, order="yield", token_budget=8 - tokens_short, **every)
+        sched = two_d(
+            charge_mode="marginal", byte_map=byte_map, order="yield", token_budget=8 - tokens_short, **EVERY_EXPERT
+        )
         ranked = []
         alone = sched._table.alone_bytes
         monkeypatch.setattr(
@@ -670,6 +674,36 @@ def test_when_every_waiting_demand_fits_the_yield_order_is_not_computed(monkeypa
         sched.register("rich", 4, union={(0, 2), (0, 3)}, full_bytes=80, expected_tokens=3.5)
         assert sched.tick(resident=set(), in_flight_union=set()).admitted_ids == admitted
         assert bool(ranked) == bool(tokens_short)
+
+
+@pytest.mark.asyncio
+async def test_a_tick_in_which_all_fit_hands_out_the_queue_as_a_binding_tick_would():
+    """The whole queue handed over at once (every demand fits) wakes the waiters in arrival order,
+    counts the admissions and their waits, and an admission of this tick cancelled before it
+    runs still refunds its tokens, which re-assignment gives to a demand registered since."""
+    byte_map = {(0, e): 40 for e in range(8)}
+    sched = two_d(charge_mode="marginal", byte_map=byte_map, order="yield", token_budget=12, **EVERY_EXPERT)
+    tickets = {s: sched.register(s, 4, union={(0, i)}, full_bytes=40) for i, s in enumerate("abc")}
+    woken = []
+
+    async def waiter(s):
+        await tickets[s].wait()
+        woken.append(s)
+
+    async with anyio.create_task_group() as tg:
+        for s in "cba":
+            tg.start_soon(waiter, s)
+        await anyio.wait_all_tasks_blocked()
+        out = sched.tick(resident=set(), in_flight_union=set())
+        await anyio.wait_all_tasks_blocked()
+    assert out.admitted_ids == ("a", "b", "c") and woken == ["a", "b", "c"]
+    stats = sched.stats()
+    assert (stats.admitted, stats.pending, stats.ticks) == (3, 0, 1) and stats.wait_p99_s is not None
+    assert sched.admitted_ids() == ["a", "b", "c"] and sched.carried == TokensBytes(0, 8 * 40)
+    late = sched.register("late", 4, union={(0, 5)}, full_bytes=40)
+    assert not late.admitted
+    assert sched.cancel("b")  # admitted by this tick, not yet running: its 4 tokens come back
+    assert late.admitted and sched.admitted_ids() == ["a", "c", "late"]
 
 
 def test_after_a_tick_that_read_no_union_a_mask_waits_until_a_tick_reads_it():

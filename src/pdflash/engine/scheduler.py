@@ -227,13 +227,12 @@ class VerifyScheduler:
             self.budget = budget
         seated = list(self._in_flight.values())
         pool_tokens = self.budget.tokens + self._carried.tokens - sum([e.request.tokens for e in seated])
-        self._all_fitting = self._all_fit(pool_tokens)
-        if self._all_fitting:  # nothing to rank or charge: every waiting demand goes
-            admitted, charges = list(self._queue.values()), [0] * len(self._queue)
-            self._pool = (
-                pool_tokens - sum([e.request.tokens for e in admitted]),
-                self.budget.expert_bytes + self._carried.expert_bytes,
-            )
+        waiting_tokens = self._all_fit(pool_tokens)
+        self._all_fitting = waiting_tokens is not None
+        admitted: list[_Entry] | None = None  # None: every waiting demand, handed over whole
+        charges: list[int] = []
+        if waiting_tokens is not None:  # nothing to rank or charge: every waiting demand goes
+            self._pool = (pool_tokens - waiting_tokens, self.budget.expert_bytes + self._carried.expert_bytes)
         else:
             covered, inside = None, frozenset[int]()  # mask of resident ∪ in flight, when charges or order need it
             if self._masks is not None and (self.charge_mode is ChargeMode.MARGINAL or self.order != "arrival"):
@@ -243,10 +242,10 @@ class VerifyScheduler:
             admitted, charges, self._pool = self._first_fit(self._line(covered), charge, pool_tokens, pool_bytes)
         self._ticks += 1  # every demand still queued after this was skipped by it
         self._carried = TokensBytes(*self._pool).clamped(self.cap)
-        self._hand_out(admitted, charges)
+        admitted_ids = self._hand_out_all() if admitted is None else self._hand_out(admitted, charges)
         self._last_tick_s = self._clock() - start
-        ids = (tuple([e.request.seq_id for e in seated]), tuple([e.request.seq_id for e in admitted]))
-        return VerifyAdmission(seated_ids=ids[0], admitted_ids=ids[1], carried=self._carried)
+        seated_ids = tuple([e.request.seq_id for e in seated])
+        return VerifyAdmission(seated_ids=seated_ids, admitted_ids=admitted_ids, carried=self._carried)
 
     def pending_count(self) -> int:
         return len(self._queue)
@@ -287,19 +286,21 @@ class VerifyScheduler:
             most = r.fetch_bytes if self.charge_mode is ChargeMode.FETCH else r.full_bytes
             require_fits_cap("byte_cap", self.cap.expert_bytes, most, f"the bytes {who} may be charged")
 
-    def _all_fit(self, pool_tokens: int) -> bool:
-        """Whether every waiting demand fits this tick whatever its order and charges: their
-        tokens in the pool, and bytes to spare for every expert (a tick's marginal charges, the
-        seated ones' included, count each expert once at most; token-only charges nothing).
+    def _all_fit(self, pool_tokens: int) -> int | None:
+        """The waiting demands' tokens if every one fits this tick whatever its order and charges
+        (None if not): their tokens in the pool, and bytes to spare for every expert (a tick's
+        marginal charges, the seated ones' included, count each expert once at most; token-only
+        charges nothing).
         Then nothing is ranked or charged (its whole byte pool carries, up to the cap), and the
         demands registered after it build their masks only when a tick reads them. Every tick
         of the derived budgets, whose bytes are every expert's and tokens every seat's block
         (docs/engine.md, "Derived budgets never bind")."""
         if not self.token_only and self.charge_mode is not ChargeMode.MARGINAL:
-            return False  # full and fetch charges count a shared expert once per demand
+            return None  # full and fetch charges count a shared expert once per demand
         if self.budget.expert_bytes + self._carried.expert_bytes < self._every_expert_bytes:
-            return False
-        return pool_tokens >= sum([e.request.tokens for e in self._queue.values()])
+            return None
+        waiting_tokens = sum([e.request.tokens for e in self._queue.values()])
+        return waiting_tokens if pool_tokens >= waiting_tokens else None
 
     def _line(self, covered: int | None) -> Iterator[_Entry]:
         """The waiting demands in the order this tick offers them (pdflash.engine.ordering), as
@@ -353,19 +354,36 @@ class VerifyScheduler:
         picked, *pool = first_fit_stream(columns(), pool_tokens, pool_bytes, self.barrier_after, fewest)
         return [offered[i][0] for i in picked], [offered[i][1] for i in picked], (pool[0], pool[1])
 
-    def _hand_out(self, admitted: list[_Entry], charges: Iterable[int]) -> None:
-        """Move admitted demands out of the queue and wake their waiters, in order."""
+    def _hand_out(self, admitted: list[_Entry], charges: Iterable[int]) -> tuple[Hashable, ...]:
+        """Move admitted demands out of the queue and wake their waiters, in order: their seq_ids."""
         if not admitted:
-            return
-        now = self._clock()
+            return ()
+        now, ids = self._clock(), []
         self._admitted_total += len(admitted)
         for entry, charge in zip(admitted, charges, strict=True):
-            seq_id = entry.request.seq_id
+            ids.append(seq_id := entry.request.seq_id)
             del self._queue[seq_id]
             entry.admitted_tick, entry.charged_bytes = self._ticks, charge
             self._admitted[seq_id] = entry
             self._waits.append(now - entry.registered_at)
             entry.ticket._admit()
+        return tuple(ids)
+
+    def _hand_out_all(self) -> tuple[Hashable, ...]:
+        """`_hand_out` of every waiting demand at no byte charge (a tick in which all fit), the
+        queue handed over whole: its seq_ids, in order. At 256 waiting this is most of the tick,
+        so what can be done once for all of them is (the dict moves, the waits)."""
+        admitted, self._queue = self._queue, {}
+        if not admitted:
+            return ()
+        now, tick, entries = self._clock(), self._ticks, list(admitted.values())
+        self._admitted |= admitted
+        self._admitted_total += len(entries)
+        self._waits.extend([now - e.registered_at for e in entries])
+        for entry in entries:  # charged_bytes stays 0: an entry is admitted once
+            entry.admitted_tick = tick
+            entry.ticket._admit()
+        return tuple(admitted)
 
     def _reassign(self) -> None:
         """Hand the current tick's leftover pool to waiting demands, in arrival order; not a new tick.
