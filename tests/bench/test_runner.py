@@ -73,6 +73,9 @@ def test_a_recorded_trace_replays_its_rounds(pair, tmp_path):
     ]
     path = tmp_path / "routing.json"
     write_traces(path, {"speculative": sequences}, {"target": str(target)})
+    write_traces(tmp_path / "routing.json.gz", {"speculative": sequences}, {"target": str(target)})
+    gzipped = TraceRouting.load(tmp_path / "routing.json.gz", "speculative")  # written compressed, read back
+    assert gzipped.sequences == TraceRouting.load(path, "speculative").sequences
     trace = TraceRouting.load(path, "speculative")
     assert trace.prefill_union(0, 2) == {(0, 1), (1, 2)}
     r = trace.round(seq=1, index=0, tokens=2, start=0)  # sequence 1 wraps to recorded sequence 0; clipped block

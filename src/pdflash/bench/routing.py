@@ -311,6 +311,7 @@ class RoutingRecorder:
 
 
 def write_traces(path: Path | str, traces: dict[str, list[dict]], meta: dict) -> None:
-    """Write {"meta": ..., "traces": {kind: {"sequences": [...]}}} (kind: autoregressive | speculative)."""
-    body = {"meta": meta, "traces": {kind: {"sequences": seqs} for kind, seqs in traces.items()}}
-    Path(path).write_text(json.dumps(body))
+    """Write {"meta": ..., "traces": {kind: {"sequences": [...]}}} (kind: autoregressive | speculative),
+    gzipped when `path` ends in .gz, as `TraceRouting.load` reads it."""
+    body = json.dumps({"meta": meta, "traces": {kind: {"sequences": seqs} for kind, seqs in traces.items()}})
+    Path(path).write_bytes(gzip.compress(body.encode()) if Path(path).suffix == ".gz" else body.encode())
