@@ -108,6 +108,30 @@ def test_one_sequence_without_cache_hits_equals_the_arithmetic(config, tau):
     assert result.tau == pytest.approx((max_tokens - 1) / rounds)  # the last round is clipped
 
 
+@attrs.frozen
+class ProjectedFreshExperts(FreshExperts):
+    """FreshExperts whose projection names every expert its round routes (all prefetched at launch)."""
+
+    def round(self, seq, index, tokens, start):
+        r = super().round(seq, index, tokens, start)
+        return attrs.evolve(r, projected=r.actual)
+
+
+def test_a_launchs_bookkeeping_runs_before_its_prefetch_starts():
+    """The engine streams, plans and registers a round on its event loop before the tick that
+    prefetches it, so a launch's bookkeeping adds its whole seconds to a round whose copies are
+    all prefetched: none of it hides behind the link (it did while the simulator charged it
+    on the lane after the prefetch had started)."""
+    max_tokens = 20
+
+    def wall_s(step):
+        setup = _setup("ar", ConstantCosts(step=step), ProjectedFreshExperts(1))
+        return simulate_closed_loop(setup, [16], concurrency=1, requests_per_client=1, max_tokens=max_tokens).wall_s
+
+    rounds = max_tokens - 1  # the prefill emits the first token
+    assert wall_s(0.001) - wall_s(0.0) == pytest.approx(rounds * 0.001)
+
+
 def _zipf_point(seed, config="dflash-2d", concurrency=4):
     p = get_profile("qwen3-30b-a3b@h200-pcie5")
     routing = ZipfRouting(

@@ -48,6 +48,7 @@ class SimPacer:
         self.ticks_in_flight = 0
         self.prefills_in_verifies = 0  # prompts prefilled inside a verify's forward
         self._ended_at = 0.0  # when the last verify ended (its sequences draft from then)
+        self._launch_at: float | None = None  # when this serve pass's bookkeeping is done (it may launch)
 
     def changed(self) -> None:
         """A demand registered or a sequence left: serve if the target lane has no batch, else
@@ -66,7 +67,15 @@ class SimPacer:
             self._next = []
         batch = self._held
         if not batch and not (self.sim.scheduler.pending_count() or self.sim.scheduler.admitted_ids()):
-            self._held = None  # nothing to launch: the next registration serves again
+            self._held, self._launch_at = None, None  # nothing to launch: the next registration serves again
+            return
+        if self._launch_at is None:
+            # the engine's bookkeeping per launch (the last verify's streaming, the rounds' planning
+            # and registering, the lanes' hand-offs) runs on the event loop before the launch and
+            # the tick that prefetches for it: the link waits for it as the target lane does
+            self._launch_at = self.sim.now + self.sim.s.costs.step_s(len(self.sim.seated))
+        if self.sim.now < self._launch_at:
+            self.sim.clock.at(self._launch_at, self._serve_if_idle)
             return
         wait_s = self._gather_s(batch)
         if wait_s > 0:  # sequences still drafting would share this batch's experts: wait for them
@@ -134,7 +143,7 @@ class SimPacer:
         self._next, self._ticked = self._tick(self._running_union), True
 
     def _launch(self, batch: list[SimRequest]) -> None:
-        self._running, self._ticked = batch, False
+        self._running, self._ticked, self._launch_at = batch, False, None
         self.verify_batches[len(batch)] = self.verify_batches.get(len(batch), 0) + 1
         self._running_union = frozenset().union(*(round_of(q).projected for q in batch))
         launched = self.sim.now
@@ -192,7 +201,6 @@ class SimPacer:
             q.anchor_claim, q.anchor_fetch = claim, experts - resident
 
     def _verify_job(self, batch: list[SimRequest], riders: list[SimRequest]) -> Job:
-        yield self.sim.now + self.sim.s.costs.step_s(len(self.sim.seated))  # the engine's bookkeeping per launch
         rounds = [round_of(q) for q in batch]
         unions = [r.actual for r in rounds] + self.sim.prefill_unions(riders)
         experts = len(frozenset().union(*unions))
